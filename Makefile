@@ -1,0 +1,27 @@
+# `make train` and `make test` set themselves up on first use.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+WORKDIR ?= runs/small
+
+.PHONY: install test train bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned to the local CPU wheel (any other torch pulls a CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+
+train: $(STAMP)
+	$(BIN)/python -m experiments.train --config=configs/small.py --workdir=$(WORKDIR)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,285 @@
+"""Model configuration: one frozen dataclass and the named presets.
+
+`ModelConfig` is data only: every architectural switch of the Kimi family is a field, and
+`validate()` (run by the constructor) rejects combinations the model cannot build, naming the
+field. Layer layout is derived, never stored: `layer_types()` gives the token mixer and MLP kind
+of every layer, and `stack_layout()` splits the stack into an unrolled prefix, a repeating body
+of identical groups (scanned with `nn.scan` when `scan_layers=True`) and an unrolled suffix.
+
+Spec references: K3_SPEC.md §1 (Table 1), §2 (layout), §3–6 (components), §9 (HF config keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+KDA = "kda"
+MLA = "mla"
+DENSE = "dense"
+MOE = "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a Kimi K3 / Kimi Linear style model.
+
+  Dimensions follow the spec's names: `d_model` is d, `latent_moe_dim` is ℓ.
+  """
+
+  name: str = "custom"
+  vocab_size: int = 163840
+  d_model: int = 7168
+  num_layers: int = 93
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+
+  # --- layer layout (§2): layer i is MLA when i % mla_every == mla_every - 1, and the last
+  # layer is MLA too when mla_last. The first `first_dense_layers` layers have a dense MLP.
+  mla_every: int = 4
+  mla_last: bool = True
+  first_dense_layers: int = 1
+
+  # --- Kimi Delta Attention (§3)
+  kda_num_heads: int = 96
+  kda_head_dim: int = 128          # dk = dv
+  kda_conv_size: int = 4
+  kda_lower_bound: float | None = -5.0   # None: Kimi Linear's unbounded softplus decay
+  kda_gate_rank: int = 128         # rank of f_a/f_b (and of g_a/g_b when not full rank)
+  full_rank_gates: bool = True     # output gate g_proj: d -> H*dv (K3) vs rank-r pair (Kimi Linear)
+  kda_chunk_size: int = 64
+
+  # --- Gated MLA, NoPE (§4)
+  num_heads: int = 96
+  q_lora_rank: int | None = 1536   # None: a single q_proj (Kimi Linear)
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  mla_output_gate: bool = True     # sigmoid(g_proj(x)) on the attention output
+
+  # --- MLPs and Stable LatentMoE (§6)
+  activation: Literal["situ", "swiglu"] = "situ"
+  situ_beta1: float = 4.0
+  situ_beta2: float = 25.0
+  dense_intermediate_size: int = 33792
+  num_experts: int = 896
+  experts_per_token: int = 16
+  num_shared_experts: int = 2
+  moe_intermediate_size: int = 3072
+  latent_moe_dim: int | None = 3584  # None: classic MoE (experts act on d directly)
+  routed_scaling_factor: float = 1.0
+  # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
+  moe_capacity_factor: float | None = None
+
+  # --- Block Attention Residuals (§5); None = plain pre-norm residuals
+  attn_res_block_size: int | None = 12
+
+  # --- Multi-token prediction (one extra layer predicting token t+2)
+  num_mtp_layers: int = 1
+
+  # --- Quantile Balancing statistics sown by MoE layers (§7)
+  qb_num_bins: int = 1000
+  qb_range: tuple[float, float] = (-2.0, 2.0)
+
+  # --- numerics and compilation
+  dtype: str = "float32"           # compute dtype for matmuls ("bfloat16" on accelerators)
+  param_dtype: str = "float32"     # parameters are fp32 masters
+  scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
+  remat: bool = False              # rematerialise each scanned group in the backward pass
+  kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
+
+  def __post_init__(self):
+    self.validate()
+
+  # ------------------------------------------------------------------ derived quantities
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def shared_intermediate_size(self) -> int:
+    """Width of the fused shared-expert MLP (the shared experts side by side)."""
+    return self.num_shared_experts * self.moe_intermediate_size
+
+  def is_mla(self, i: int) -> bool:
+    return i % self.mla_every == self.mla_every - 1 or (
+        self.mla_last and i == self.num_layers - 1)
+
+  def layer_types(self) -> tuple[tuple[str, str], ...]:
+    """(token mixer, mlp) of every layer: mixer in {"kda","mla"}, mlp in {"dense","moe"}."""
+    return tuple(
+        (MLA if self.is_mla(i) else KDA, DENSE if i < self.first_dense_layers else MOE)
+        for i in range(self.num_layers))
+
+  def stack_layout(self) -> tuple[int, int, int]:
+    """Split layers into (prefix, num_groups, suffix) counts.
+
+    The body is `num_groups` consecutive groups of `mla_every` layers, each group
+    [KDA]*(mla_every-1) + [MLA] with MoE MLPs, starting at the first group boundary at or
+    after `first_dense_layers`. K3: prefix 4 (layers 0–3), 22 groups (4–91), suffix 1 (92).
+    """
+    p = self.mla_every
+    start = -(-self.first_dense_layers // p) * p
+    types = self.layer_types()
+    group = tuple([(KDA, MOE)] * (p - 1) + [(MLA, MOE)])
+    n = 0
+    while start + (n + 1) * p <= self.num_layers and types[start + n * p:start + (n + 1) * p] == group:
+      n += 1
+    if n == 0:
+      start = self.num_layers
+    return start, n, self.num_layers - start - n * p
+
+  @property
+  def num_attn_res_blocks(self) -> int:
+    """Completed blocks at the end of the stack (the embedding is block 0)."""
+    if self.attn_res_block_size is None:
+      return 0
+    return -(-self.num_layers // self.attn_res_block_size)
+
+  def replace(self, **overrides: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **overrides)
+
+  # ------------------------------------------------------------------ validation
+  def validate(self) -> None:
+    def bad(field: str, msg: str):
+      raise ValueError(f"ModelConfig.{field}: {msg}")
+
+    for f in ("vocab_size", "d_model", "num_layers", "mla_every", "kda_num_heads", "kda_head_dim",
+              "kda_conv_size", "kda_gate_rank", "kda_chunk_size", "num_heads", "kv_lora_rank",
+              "qk_nope_head_dim", "v_head_dim", "dense_intermediate_size",
+              "moe_intermediate_size", "qb_num_bins"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        bad(f, f"expected a positive int, found {v!r}")
+    for f in ("qk_rope_head_dim", "first_dense_layers", "num_experts", "experts_per_token",
+              "num_shared_experts", "num_mtp_layers"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        bad(f, f"expected a non-negative int, found {v!r}")
+    if self.first_dense_layers > self.num_layers:
+      bad("first_dense_layers", f"{self.first_dense_layers} > num_layers={self.num_layers}")
+    if self.first_dense_layers < self.num_layers:  # some MoE layers exist
+      if self.num_experts < 1:
+        bad("num_experts", "MoE layers need at least one expert")
+      if not 1 <= self.experts_per_token <= self.num_experts:
+        bad("experts_per_token",
+            f"must be in [1, num_experts={self.num_experts}], found {self.experts_per_token}")
+      if self.experts_per_token == self.num_experts:
+        bad("experts_per_token", "must be < num_experts: Quantile Balancing reads the "
+            "(k+1)-th score as the routing cutoff")
+    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+      bad("q_lora_rank", f"expected a positive int or None, found {self.q_lora_rank!r}")
+    if self.latent_moe_dim is not None and self.latent_moe_dim <= 0:
+      bad("latent_moe_dim", f"expected a positive int or None, found {self.latent_moe_dim!r}")
+    if self.kda_lower_bound is not None and not (
+        -88.0 / 16 <= self.kda_lower_bound < 0):
+      # The chunked form rescales by exp(-cumulative decay) inside 16-token tiles:
+      # |lower_bound| * 16 must stay below ln(fp32 max) ≈ 88.7 (§3).
+      bad("kda_lower_bound", f"expected None or a value in [-5.5, 0), found {self.kda_lower_bound}")
+    if self.kda_chunk_size % 16:
+      bad("kda_chunk_size", f"must be a multiple of the 16-token tile, found {self.kda_chunk_size}")
+    if self.activation not in ("situ", "swiglu"):
+      bad("activation", f"expected 'situ' or 'swiglu', found {self.activation!r}")
+    if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
+      bad("attn_res_block_size", f"expected a positive int or None, found {self.attn_res_block_size}")
+    if self.mla_last and not self.is_mla(self.num_layers - 1):
+      bad("mla_last", "internal: last layer is not MLA")
+    if self.kernel_backend not in ("xla", "pallas", "auto"):
+      bad("kernel_backend", f"expected 'xla', 'pallas' or 'auto', found {self.kernel_backend!r}")
+    for f in ("dtype", "param_dtype"):
+      if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+        bad(f, f"expected 'float32', 'bfloat16' or 'float16', found {getattr(self, f)!r}")
+    lo, hi = self.qb_range
+    if not lo < hi:
+      bad("qb_range", f"expected (low, high) with low < high, found {self.qb_range}")
+    if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+      bad("moe_capacity_factor", f"expected None or > 0, found {self.moe_capacity_factor}")
+    if self.num_mtp_layers > 1:
+      bad("num_mtp_layers", f"0 or 1 supported, found {self.num_mtp_layers}")
+    # The hybrid needs global attention at the end of the stack (K3 and Kimi Linear both end
+    # on MLA): a stack without any MLA layer, or a spec preset missing the final MLA, is wrong.
+    if not any(self.is_mla(i) for i in range(self.num_layers)):
+      bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
+          "mla_last=False leave no MLA layer")
+
+
+# ---------------------------------------------------------------------- presets
+def _k3() -> dict:
+  return dict(name="k3")  # the dataclass defaults are K3 (Table 1)
+
+
+def _kimi_linear_48b() -> dict:
+  return dict(
+      name="kimi_linear_48b", vocab_size=163840, d_model=2304, num_layers=27,
+      mla_every=4, mla_last=True, first_dense_layers=1,
+      kda_num_heads=32, kda_head_dim=128, kda_lower_bound=None, kda_gate_rank=128,
+      full_rank_gates=False,
+      num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+      qk_rope_head_dim=64, v_head_dim=128, mla_output_gate=False,
+      activation="swiglu", dense_intermediate_size=9216, num_experts=256, experts_per_token=8,
+      num_shared_experts=1, moe_intermediate_size=1024, latent_moe_dim=None,
+      routed_scaling_factor=2.446, attn_res_block_size=None, num_mtp_layers=0,
+  )
+
+
+def _small() -> dict:
+  # ~100M total parameters (mostly experts); trains on a 2-core CPU in minutes.
+  return dict(
+      name="small", vocab_size=512, d_model=512, num_layers=8,
+      kda_num_heads=4, kda_head_dim=64, kda_gate_rank=64,
+      num_heads=4, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+      v_head_dim=64,
+      dense_intermediate_size=1536, num_experts=64, experts_per_token=8, num_shared_experts=2,
+      moe_intermediate_size=256, latent_moe_dim=256, attn_res_block_size=4,
+  )
+
+
+def _tiny() -> dict:
+  # Seconds per test. 13 layers: prefix 0–3, two scanned groups 4–11, suffix 12 (MLA);
+  # AttnRes blocks of 4 so blocks are appended inside the scanned body too.
+  return dict(
+      name="tiny", vocab_size=256 + 16, d_model=64, num_layers=13,
+      kda_num_heads=2, kda_head_dim=16, kda_gate_rank=16, kda_chunk_size=16,
+      num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+      v_head_dim=16,
+      dense_intermediate_size=128, num_experts=8, experts_per_token=2, num_shared_experts=1,
+      moe_intermediate_size=32, latent_moe_dim=32, attn_res_block_size=4,
+  )
+
+
+def _tiny_kimi_linear() -> dict:
+  return {**_kimi_linear_48b(), **dict(
+      name="tiny_kimi_linear", vocab_size=256 + 16, d_model=64, num_layers=6,
+      kda_num_heads=2, kda_head_dim=16, kda_gate_rank=16, kda_chunk_size=16,
+      num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+      dense_intermediate_size=128, num_experts=8, experts_per_token=2, num_shared_experts=1,
+      moe_intermediate_size=32, routed_scaling_factor=1.0)}
+
+
+PRESETS = {
+    "k3": _k3,
+    "kimi_linear_48b": _kimi_linear_48b,
+    "small": _small,
+    "tiny": _tiny,
+    "tiny_kimi_linear": _tiny_kimi_linear,
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+  """A validated preset, with `overrides` applied (unknown fields raise ValueError)."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"unknown ModelConfig field(s) {unknown}")
+  return ModelConfig(**{**PRESETS[name](), **overrides})
+
+
+def dtype_of(name: str):
+  import jax.numpy as jnp
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+__all__ = ["ModelConfig", "preset", "PRESETS", "dtype_of", "KDA", "MLA", "DENSE", "MOE"]
