@@ -140,6 +140,17 @@ class ModelConfig:
   def replace(self, **overrides: Any) -> "ModelConfig":
     return dataclasses.replace(self, **overrides)
 
+  @classmethod
+  def from_hf_config(cls, d: dict, **overrides: Any) -> "ModelConfig":
+    """From a Kimi Linear / Kimi K3 `config.json` dict (logic in k3jax/hf_config.py)."""
+    from k3jax import hf_config
+    return hf_config.from_hf_config(d, **overrides)
+
+  def to_hf_config(self, arch: str | None = None) -> dict:
+    """A `config.json` dict (Kimi K3 layout when K3 features are used; k3jax/hf_config.py)."""
+    from k3jax import hf_config
+    return hf_config.to_hf_config(self, arch)
+
   # ------------------------------------------------------------------ validation
   def validate(self) -> None:
     def bad(field: str, msg: str):

@@ -26,3 +26,9 @@ def kda_chunked_fn(backend: str):
     return kda_chunked_pallas
   from k3jax.ops.kda import kda_chunked
   return kda_chunked
+
+
+def moe_method(backend: str) -> str:
+  """`k3jax.ops.moe.expert_mlp` method for a backend: the Pallas grouped matmul ("gmm") on
+  "pallas", the sorted dense-einsum path ("sort", fastest XLA path on CPU) on "xla"."""
+  return "gmm" if resolve(backend) == "pallas" else "sort"

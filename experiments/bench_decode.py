@@ -1,0 +1,183 @@
+r"""Decode / prefill benchmark for k3jax.generate (issue 7 figures).
+
+  python -m experiments.bench_decode              # full: contexts 1K/8K/64K, long 64K/256K/1M
+  python -m experiments.bench_decode --quick      # smoke: contexts 1K/4K, long 4K/16K/64K
+
+Reports, on `small` (random init; timings do not depend on the weights):
+  1. decode step time (median) at each context for the full hybrid model and for its KDA layers
+     alone ("KDA-only": the KDA token mixers + MLPs of small, no MLA). A context of N tokens is a
+     cache holding N tokens (MLA buffers of N+1 slots, lengths = N); the per-step cost depends only
+     on that, not on the cached values. KDA-only must stay flat (≤ 1.2× from the smallest to the
+     largest context); MLA attention grows linearly with the context.
+  2. cache bytes per token vs a plain MHA model of the same width (K and V of d per layer).
+  3. prefill tokens/s of the full hybrid model (batch 1, chunked).
+  4. long context: prefill through a KDA-only variant of small (its KDA token mixers; --long_mlp
+     adds the MLPs), chunk by chunk with constant memory; peak RSS after each length and time per
+     token (linear time ⇒ constant µs/token).
+Prints a table and one JSON line (also written to --json_out).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+_QUICK = flags.DEFINE_bool("quick", False, "Small contexts/lengths (smoke mode).")
+_CONTEXTS = flags.DEFINE_string("contexts", None, "Decode contexts, comma separated.")
+_LONG = flags.DEFINE_string("long_lengths", None, "Long prefill lengths, comma separated.")
+_LONG_CHUNK = flags.DEFINE_integer("long_chunk", 4096, "Tokens per long-prefill call.")
+_LONG_MLP = flags.DEFINE_bool("long_mlp", False, "Include the MLPs in the long prefill.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed decode steps per point.")
+_PREFILL = flags.DEFINE_integer("prefill_tokens", 2048, "Prompt length of the prefill figure.")
+_JSON = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
+
+
+def _peak_rss_gb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def _time(fn, steps):
+  jax.block_until_ready(fn())  # compile + warm up
+  ts = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def _variables(cfg):
+  from k3jax.model import K3Model
+  from k3jax import generate as G
+  return G.unbox(jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)))
+
+
+def kda_stack(cfg, variables, cache_layers, x, num_new, path, with_mlp=True):
+  """The KDA layers of `cfg` alone (plain residuals): x [B,T,d] → (y, new KDA caches)."""
+  from k3jax import generate as G
+  from k3jax.layers.norms import rms_norm
+  out_caches = []
+  ci = 0
+  for i, (mixer, mlp) in enumerate(cfg.layer_types()):
+    if mixer != "kda":
+      continue
+    vs = G.layer_variables(cfg, variables, i)
+    hn = rms_norm(x, vs["params"]["input_layernorm"]["weight"], cfg.rms_norm_eps)
+    o, c, _ = G._kda_mixer(cfg, G._sub(vs, "self_attn"), hn, cache_layers[ci], num_new, path)
+    x = x + o
+    if with_mlp:
+      hn = rms_norm(x, vs["params"]["post_attention_layernorm"]["weight"], cfg.rms_norm_eps)
+      x = x + G._mlp(cfg, vs, mlp, hn).astype(jnp.float32)
+    out_caches.append(c)
+    ci += 1
+  return x, tuple(out_caches)
+
+
+def _kda_caches(cfg, batch):
+  from k3jax import generate as G
+  c = G.init_cache(cfg, batch, 1)
+  return tuple(l for l in c.layers if isinstance(l, G.KDACache))
+
+
+def main(argv):
+  del argv
+  from k3jax import generate as G
+  from k3jax.config import preset
+  quick = _QUICK.value
+  contexts = [int(c) for c in (_CONTEXTS.value or ("1024,4096" if quick else
+                                                     "1024,8192,65536")).split(",")]
+  long_lengths = [int(c) for c in (_LONG.value or ("4096,16384,65536" if quick else
+                                                    "65536,262144,1048576")).split(",")]
+  cfg = preset("small")
+  v = _variables(cfg)
+  res = {"config": "small", "backend": jax.default_backend(), "contexts": contexts}
+
+  # 1. decode step time vs context.
+  hybrid, kda_only = [], []
+  key = jax.random.PRNGKey(1)
+  for ctx in contexts:
+    cache = G.init_cache(cfg, 1, ctx + 1)
+    cache = cache.replace(lengths=jnp.array([ctx], jnp.int32))
+    tok = jnp.array([1], jnp.int32)
+    step = G._decode_jit(cfg)
+    one = jnp.ones((1,), jnp.int32)
+    hybrid.append(_time(lambda: step(v, cache, tok, one)[0], _STEPS.value))
+    kc = _kda_caches(cfg, 1)
+    x = jax.random.normal(key, (1, 1, cfg.d_model))
+    f = jax.jit(lambda c, x: kda_stack(cfg, v, c, x, one, "step"))
+    kda_only.append(_time(lambda: f(kc, x)[0], _STEPS.value))
+  res["decode_ms_hybrid"] = [t * 1e3 for t in hybrid]
+  res["decode_ms_kda_only"] = [t * 1e3 for t in kda_only]
+  res["kda_only_ratio_last_first"] = kda_only[-1] / kda_only[0]
+  res["hybrid_ratio_last_first"] = hybrid[-1] / hybrid[0]
+
+  # 2. cache bytes per token.
+  n_mla = sum(m == "mla" for m, _ in cfg.layer_types())
+  n_kda = cfg.num_layers - n_mla
+  mla_per_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+  kda_fixed = n_kda * 4 * cfg.kda_num_heads * cfg.kda_head_dim * (
+      cfg.kda_head_dim + 3 * (cfg.kda_conv_size - 1))
+  mha_per_token = cfg.num_layers * 2 * cfg.d_model * 4
+  res["cache"] = {
+      "mla_bytes_per_token": mla_per_token, "kda_fixed_bytes": kda_fixed,
+      "mha_bytes_per_token": mha_per_token,
+      "hybrid_bytes_per_token_at": {c: mla_per_token + kda_fixed / c for c in contexts},
+      "ratio_vs_mha_at": {c: (mla_per_token + kda_fixed / c) / mha_per_token for c in contexts}}
+
+  # 3. prefill tokens/s (hybrid, batch 1).
+  n = _PREFILL.value if not quick else min(_PREFILL.value, 1024)
+  toks = np.asarray(jax.random.randint(key, (1, n), 0, cfg.vocab_size))
+  G.prefill(cfg, v, toks, np.array([n]), chunk=512)  # compile
+  t0 = time.perf_counter()
+  lg, _ = G.prefill(cfg, v, toks, np.array([n]), chunk=512)
+  jax.block_until_ready(lg)
+  res["prefill_tokens_per_s"] = n / (time.perf_counter() - t0)
+  res["prefill_tokens"] = n
+
+  # 4. long-context prefill through the KDA-only variant, chunk by chunk.
+  chunk = _LONG_CHUNK.value
+  f = jax.jit(lambda c, x, nn: kda_stack(cfg, v, c, x, nn, "chunked", _LONG_MLP.value))
+  full = jnp.full((1,), chunk, jnp.int32)
+  long_rows = []
+  for length in long_lengths:
+    kc = _kda_caches(cfg, 1)
+    jax.block_until_ready(f(kc, jnp.zeros((1, chunk, cfg.d_model)), full))  # compile
+    t0 = time.perf_counter()
+    for s in range(0, length, chunk):
+      x = jax.random.normal(jax.random.fold_in(key, s), (1, chunk, cfg.d_model))
+      _, kc = f(kc, x, full)
+    jax.block_until_ready(kc)
+    dt = time.perf_counter() - t0
+    long_rows.append({"tokens": length, "seconds": dt, "us_per_token": dt / length * 1e6,
+                      "peak_rss_gb": _peak_rss_gb()})
+  res["long_prefill_kda_only"] = long_rows
+  res["long_prefill_with_mlp"] = _LONG_MLP.value
+
+  print(f"{'context':>9} {'hybrid ms':>10} {'KDA-only ms':>12} {'cache B/tok':>12} "
+        f"{'vs MHA':>7}")
+  for c, h, k in zip(contexts, res["decode_ms_hybrid"], res["decode_ms_kda_only"]):
+    print(f"{c:>9} {h:>10.2f} {k:>12.2f} {res['cache']['hybrid_bytes_per_token_at'][c]:>12.0f} "
+          f"{res['cache']['ratio_vs_mha_at'][c]:>7.3f}")
+  print(f"KDA-only ratio {res['kda_only_ratio_last_first']:.2f}x, hybrid ratio "
+        f"{res['hybrid_ratio_last_first']:.2f}x; plain MHA {mha_per_token} B/token")
+  print(f"prefill {res['prefill_tokens_per_s']:.0f} tokens/s ({n} tokens)")
+  print(f"{'tokens':>9} {'seconds':>9} {'us/token':>9} {'peak RSS GB':>12}")
+  for r in long_rows:
+    print(f"{r['tokens']:>9} {r['seconds']:>9.1f} {r['us_per_token']:>9.1f} "
+          f"{r['peak_rss_gb']:>12.2f}")
+  line = json.dumps(res)
+  print(line)
+  if _JSON.value:
+    with open(_JSON.value, "w") as fh:
+      fh.write(line + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

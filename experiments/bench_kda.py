@@ -1,0 +1,354 @@
+"""Benchmark of the KDA ops: kda_chunked vs kda_recurrent (and PyTorch references in-process).
+
+For each size (T, H, K=V; B=1 unless --batch) and implementation it measures forward tokens/s,
+forward+backward tokens/s (gradient of a random projection of o and of the final state w.r.t.
+q, k, v, g, beta) and, for the JAX functions, the compiled temporary memory
+(`jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`). Every implementation's
+output is compared with kda_chunked's (max abs error), so the figures are for matching maths.
+
+PyTorch references (run when torch imports): `chunk_kimi_delta_attention` from transformers'
+kimi_linear (its CPU fallback), and flash-linear-attention's `naive_chunk_kda` / `chunk_kda`
+when the `fla` package is installed. Torch autograd gives their backward.
+
+Usage:
+  .venv/bin/python experiments/bench_kda.py --quick
+  .venv/bin/python experiments/bench_kda.py --json --out /tmp/bench_kda.json
+  .venv/bin/python experiments/bench_kda.py --sizes 4096x4x64,16384x8x128 --impls chunked
+  .venv/bin/python experiments/bench_kda.py --gpu_suite --json        # on an accelerator
+  --backend=pallas swaps kda_chunked for pallas_kernels.kda_chunk.kda_chunked_pallas.
+
+The last line printed with --json is one JSON object with every row and the goal ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+SIZES_CPU = ("1024x4x64", "4096x4x64", "16384x4x64", "1024x8x128", "4096x8x128", "16384x8x128")
+SIZES_QUICK = ("1024x4x64",)
+SIZES_GPU = ("8192x96x128", "32768x96x128")
+
+
+def _parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--sizes", default=None,
+                 help="comma-separated TxHxK (K=V), e.g. 1024x4x64,16384x8x128 (default: CPU set)")
+  p.add_argument("--quick", action="store_true", help="smallest size only (< 1 min)")
+  p.add_argument("--gpu_suite", action="store_true",
+                 help="B=1,H=96,K=V=128,T in {8K,32K}, bf16 inputs: xla vs pallas vs fla chunk_kda")
+  p.add_argument("--backend", default="xla", choices=("xla", "pallas"),
+                 help="implementation behind the 'chunked' rows")
+  p.add_argument("--impls", default="chunked,recurrent,torch_chunk,fla_naive",
+                 help="subset of chunked,recurrent,torch_chunk,fla_naive,fla_chunk,pallas")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--chunk_size", type=int, default=64)
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="input dtype (default float32; bfloat16 in --gpu_suite)")
+  p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
+  p.add_argument("--max_run_gib", type=float, default=4.0,
+                 help="only report memory (do not run) when a JAX program needs more temp memory")
+  p.add_argument("--max_torch_tokens", type=int, default=16384,
+                 help="skip the PyTorch references above this T (they are slow)")
+  p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+  p.add_argument("--out", default=None, help="also write the JSON object to this path")
+  return p.parse_args(argv)
+
+
+def _sizes(args):
+  if args.sizes:
+    names = [s for s in args.sizes.split(",") if s]
+  elif args.gpu_suite:
+    names = list(SIZES_GPU)
+  elif args.quick:
+    names = list(SIZES_QUICK)
+  else:
+    names = list(SIZES_CPU)
+  out = []
+  for name in names:
+    try:
+      t, h, d = (int(x) for x in name.lower().split("x"))
+    except ValueError:
+      raise SystemExit(f"--sizes: expected entries like 4096x4x64 (TxHxK), found {name!r}")
+    out.append((t, h, d))
+  return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _inputs(b, t, h, d, seed=0):
+  """Random KDA inputs (numpy fp32): L2-normalised q,k, bounded-gate g, sigmoid beta."""
+  rng = np.random.default_rng(seed)
+  unit = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+  q = unit(rng.standard_normal((b, t, h, d))).astype(np.float32)
+  k = unit(rng.standard_normal((b, t, h, d))).astype(np.float32)
+  v = rng.standard_normal((b, t, h, d)).astype(np.float32)
+  x = rng.standard_normal((b, t, h, d)) - 3.0
+  g = (-5.0 / (1.0 + np.exp(-x))).astype(np.float32)  # bounded gate, g in (-5, 0)
+  beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))).astype(np.float32)
+  do = rng.standard_normal((b, t, h, d)).astype(np.float32)
+  ds = rng.standard_normal((b, h, d, d)).astype(np.float32)
+  return dict(q=q, k=k, v=v, g=g, beta=beta, do=do, ds=ds)
+
+
+def _median_time(fn, repeats):
+  fn()  # warm-up (and any lazy allocation)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+# ----------------------------------------------------------------------------- JAX
+
+
+def _jax_impl(name, backend, chunk_size):
+  from k3jax.ops import kda
+  if name == "recurrent":
+    return kda.kda_recurrent
+  if name == "pallas" or (name == "chunked" and backend == "pallas"):
+    try:
+      mod = importlib.import_module("pallas_kernels.kda_chunk")
+      fn = mod.kda_chunked_pallas
+    except (ImportError, AttributeError) as e:
+      raise SystemExit(
+          "--backend=pallas: pallas_kernels.kda_chunk.kda_chunked_pallas is not available "
+          f"({type(e).__name__}: {e}); use --backend=xla")
+    return lambda *a, **kw: fn(*a, chunk_size=chunk_size, **kw)
+  return lambda *a, **kw: kda.kda_chunked(*a, chunk_size=chunk_size, **kw)
+
+
+def _bench_jax(fn, data, dtype, args):
+  import jax
+  import jax.numpy as jnp
+
+  cast = lambda x: jnp.asarray(x, dtype)
+  xs = tuple(cast(data[n]) for n in ("q", "k", "v")) + (
+      jnp.asarray(data["g"]), cast(data["beta"]))
+  do, ds = jnp.asarray(data["do"]), jnp.asarray(data["ds"])
+
+  def fwd(q, k, v, g, beta):
+    return fn(q, k, v, g, beta)
+
+  def loss(q, k, v, g, beta):
+    o, s = fn(q, k, v, g, beta)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds)
+
+  fwdbwd = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+  row = {}
+  compiled = {}
+  for key, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+    c = jax.jit(f).lower(*xs).compile()
+    mem = c.memory_analysis()
+    row[f"{key}_temp_bytes"] = int(mem.temp_size_in_bytes) if mem is not None else None
+    compiled[key] = c
+  limit = args.max_run_gib * 2**30
+  for key in ("fwd", "fwdbwd"):
+    temp = row[f"{key}_temp_bytes"]
+    if temp is not None and temp > limit:
+      row[f"{key}_s"] = None
+      row[f"{key}_skipped"] = f"temp {temp / 2**30:.1f} GiB > --max_run_gib"
+      continue
+    row[f"{key}_s"] = _median_time(
+        lambda: jax.block_until_ready(compiled[key](*xs)), args.repeats)
+  out = None
+  if row.get("fwd_s") is not None:
+    o, _ = compiled["fwd"](*xs)
+    out = np.asarray(o, np.float32)
+  return row, out
+
+
+# ----------------------------------------------------------------------------- PyTorch
+
+
+def _torch_impl(name):
+  """Returns (callable(q,k,v,g,beta) -> (o, state), why-unavailable)."""
+  try:
+    import torch  # noqa: F401
+  except ImportError as e:
+    return None, f"torch not importable ({e})"
+  if name == "torch_chunk":
+    try:
+      from transformers.models.kimi_linear import modeling_kimi_linear as mkl
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f"transformers kimi_linear not importable ({type(e).__name__}: {e})"
+    fn = mkl.chunk_kimi_delta_attention
+    return (lambda q, k, v, g, beta: fn(q, k, v, g, beta, chunk_size=64,
+                                        output_final_state=True)), None
+  if name in ("fla_naive", "fla_chunk"):
+    try:
+      if name == "fla_naive":
+        mod = importlib.import_module("fla.ops.kda.naive")
+        fn = mod.naive_chunk_kda
+      else:
+        mod = importlib.import_module("fla.ops.kda")
+        fn = mod.chunk_kda
+    except Exception as e:  # pylint: disable=broad-except
+      return None, f"flash-linear-attention (fla) not installed ({type(e).__name__})"
+    return (lambda q, k, v, g, beta: fn(q, k, v, g, beta, output_final_state=True)), None
+  return None, f"unknown torch implementation {name!r}"
+
+
+def _bench_torch(fn, data, dtype, args, device="cpu"):
+  import torch
+
+  tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+  mk = lambda n, dt=tdt: torch.tensor(data[n], device=device, dtype=dt)
+  do, ds = mk("do", torch.float32), mk("ds", torch.float32)
+  sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
+
+  def fwd():
+    with torch.no_grad():
+      out = fn(mk("q"), mk("k"), mk("v"), mk("g", torch.float32), mk("beta"))
+    sync()
+    return out
+
+  def fwdbwd():
+    leaves = [mk("q"), mk("k"), mk("v"), mk("g", torch.float32), mk("beta")]
+    for x in leaves:
+      x.requires_grad_(True)
+    o, s = fn(*leaves)
+    loss = (o.float() * do).sum() + (s.float() * ds).sum()
+    loss.backward()
+    sync()
+
+  row = {"fwd_temp_bytes": None, "fwdbwd_temp_bytes": None}
+  row["fwd_s"] = _median_time(fwd, args.repeats)
+  row["fwdbwd_s"] = _median_time(fwdbwd, args.repeats)
+  o, _ = fwd()
+  return row, o.float().cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _fmt_rate(tokens, secs):
+  return "-" if secs is None else f"{tokens / secs:,.0f}"
+
+
+def _fmt_mib(b):
+  return "-" if b is None else f"{b / 2**20:,.1f}"
+
+
+def run(args):
+  import jax
+
+  dtype = args.dtype or ("bfloat16" if args.gpu_suite else "float32")
+  impls = [s for s in args.impls.split(",") if s]
+  if args.gpu_suite and args.impls == _parse_args([]).impls:
+    impls = ["chunked", "pallas", "fla_chunk"]
+  device = jax.default_backend()
+  rows, unavailable = [], {}
+  for t, h, d in _sizes(args):
+    data = _inputs(args.batch, t, h, d)
+    ref_out = None
+    for name in impls:
+      row = dict(impl=name, T=t, H=h, K=d, V=d, B=args.batch, dtype=dtype,
+                 backend=(args.backend if name == "chunked" else None))
+      if name in ("chunked", "recurrent", "pallas"):
+        try:
+          fn = _jax_impl(name, args.backend, args.chunk_size)
+        except SystemExit as e:
+          if name == "chunked":
+            raise
+          unavailable[name] = str(e)
+          continue
+        r, out = _bench_jax(fn, data, dtype, args)
+      else:
+        if t > args.max_torch_tokens:
+          continue
+        fn, why = _torch_impl(name)
+        if fn is None:
+          unavailable[name] = why
+          continue
+        r, out = _bench_torch(fn, data, dtype, args, "cuda" if device == "gpu" else "cpu")
+      row.update(r)
+      tokens = args.batch * t
+      for key in ("fwd", "fwdbwd"):
+        s = row.get(f"{key}_s")
+        row[f"{key}_tokens_per_s"] = None if s is None else tokens / s
+      if name == "chunked" and out is not None:
+        ref_out = out
+      if out is not None and ref_out is not None:
+        row["max_abs_err_vs_chunked"] = float(np.max(np.abs(out - ref_out)))
+      rows.append(row)
+      print(f"  {name:12s} T={t:6d} H={h:3d} K={d:4d}  fwd {_fmt_rate(tokens, row.get('fwd_s')):>12s}"
+            f" tok/s  fwd+bwd {_fmt_rate(tokens, row.get('fwdbwd_s')):>12s} tok/s", flush=True)
+  return dict(device=device, dtype=dtype, chunk_size=args.chunk_size, backend=args.backend,
+              jax_version=jax.__version__, cpu_count=os.cpu_count(), rows=rows,
+              unavailable=unavailable, goals=_goals(rows))
+
+
+def _goals(rows):
+  """The issue's three ratios per size (None where a figure is missing)."""
+  by = {}
+  for r in rows:
+    by.setdefault((r["T"], r["H"], r["K"]), {})[r["impl"]] = r
+  goals = []
+  for (t, h, d), impls in sorted(by.items()):
+    c, rec = impls.get("chunked"), impls.get("recurrent")
+    torch_rates = [impls[n]["fwdbwd_tokens_per_s"] for n in ("torch_chunk", "fla_naive")
+                   if n in impls and impls[n].get("fwdbwd_tokens_per_s")]
+    ratio = lambda a, b: (a / b) if (a is not None and b) else None
+    goal = dict(T=t, H=h, K=d)
+    if c is not None:
+      goal["fwdbwd_vs_fastest_torch"] = ratio(
+          c.get("fwdbwd_tokens_per_s"), max(torch_rates) if torch_rates else None)
+      if rec is not None:
+        goal["fwdbwd_mem_vs_recurrent"] = ratio(c.get("fwdbwd_temp_bytes"),
+                                                rec.get("fwdbwd_temp_bytes"))
+        goal["fwd_speed_vs_recurrent"] = ratio(c.get("fwd_tokens_per_s"),
+                                               rec.get("fwd_tokens_per_s"))
+    goals.append(goal)
+  return goals
+
+
+def _print_table(result):
+  print(f"\ndevice={result['device']} dtype={result['dtype']} chunk_size={result['chunk_size']} "
+        f"backend={result['backend']} jax={result['jax_version']}")
+  head = (f"{'impl':12s} {'T':>6s} {'H':>3s} {'K':>4s} {'fwd tok/s':>12s} {'f+b tok/s':>12s} "
+          f"{'fwd MiB':>9s} {'f+b MiB':>9s} {'err':>8s}")
+  print(head)
+  print("-" * len(head))
+  for r in result["rows"]:
+    tokens = r["B"] * r["T"]
+    err = r.get("max_abs_err_vs_chunked")
+    print(f"{r['impl']:12s} {r['T']:6d} {r['H']:3d} {r['K']:4d} "
+          f"{_fmt_rate(tokens, r.get('fwd_s')):>12s} {_fmt_rate(tokens, r.get('fwdbwd_s')):>12s} "
+          f"{_fmt_mib(r.get('fwd_temp_bytes')):>9s} {_fmt_mib(r.get('fwdbwd_temp_bytes')):>9s} "
+          f"{'-' if err is None else f'{err:.1e}':>8s}")
+  for name, why in result["unavailable"].items():
+    print(f"unavailable: {name}: {why}")
+  print("\ngoals (chunked): fwd+bwd speed / fastest torch (>= 10), fwd+bwd memory / recurrent "
+        "(<= 1/8 at 16K), fwd speed / recurrent (>= 0.5)")
+  f = lambda x: "-" if x is None else f"{x:.3g}"
+  for g in result["goals"]:
+    print(f"  T={g['T']:6d} H={g['H']:3d} K={g['K']:4d}: "
+          f"{f(g.get('fwdbwd_vs_fastest_torch')):>7s}  {f(g.get('fwdbwd_mem_vs_recurrent')):>7s}  "
+          f"{f(g.get('fwd_speed_vs_recurrent')):>7s}")
+
+
+def main(argv=None):
+  args = _parse_args(sys.argv[1:] if argv is None else argv)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  result = run(args)
+  _print_table(result)
+  text = json.dumps(result)
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+  if args.json:
+    print(text)
+
+
+if __name__ == "__main__":
+  main()

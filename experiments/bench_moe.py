@@ -1,0 +1,192 @@
+"""Benchmark: MoE experts forward+backward vs a dense SiTU MLP with the same active FLOPs.
+
+  python -m experiments.bench_moe            # table
+  python -m experiments.bench_moe --json     # table, then ONE JSON object as the last line
+
+Shapes default to the `small` preset's routed path: tokens N = batch·seq = 8·512, expert input
+D = ℓ = 256 (d = 512), expert hidden F = 256, E = 64 experts, k = 8. The dense reference is a
+SiTU MLP D → k·F → D on the same N tokens (the active FLOPs of the routed experts). Methods of
+`k3jax.ops.moe.expert_mlp`: sort (dropless, the layer's default on XLA/CPU), sort with a capacity
+factor, ragged (`jax.lax.ragged_dot`), reference (all experts on all tokens; the "gather"-free
+obviously-correct path: E/k times the FLOPs), gmm (Pallas; skipped in interpret mode on CPU).
+Also: `jax.lax.ragged_dot` vs a dense matmul of the same FLOPs, and the whole StableLatentMoE
+layer (`small` config, router + shared experts + latent projections) when it exists.
+All in fp32, in one process; time = min over repeats (the machine may be shared: the load
+average is printed and stored, and ratios are the figures to compare).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops import moe
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("json", False, "print one JSON object as the last line")
+flags.DEFINE_integer("tokens", 8 * 512, "N tokens (batch × sequence)")
+flags.DEFINE_integer("dim", 256, "expert input width D (the latent ℓ)")
+flags.DEFINE_integer("ffn", 256, "expert hidden width F")
+flags.DEFINE_integer("experts", 64, "E")
+flags.DEFINE_integer("k", 8, "experts per token")
+flags.DEFINE_float("capacity_factor", 1.25, "capacity factor of the extra `sort@cf` row")
+flags.DEFINE_integer("repeats", 5, "timed repeats (min is reported)")
+flags.DEFINE_list("methods", ["sort", "sort@cf", "gmm"], "methods timed at --tokens")
+flags.DEFINE_list("small_methods", ["ragged", "reference"],
+                  "methods timed at --small_tokens (on CPU ragged_dot materialises a masked "
+                  "[E, rows, D] operand: ~18 GB temp for fwd+bwd at 4096 tokens)")
+flags.DEFINE_integer("small_tokens", 512, "N for --small_methods (with their own dense row)")
+flags.DEFINE_bool("layer", True, "also time the StableLatentMoE layer (small preset)")
+
+
+def _time(fn, *args, repeats):
+  out = fn(*args)
+  jax.block_until_ready(out)                         # compile + warm-up
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return 1e3 * min(ts), 1e3 * float(np.median(ts))
+
+
+def _problem(n, d, f, e, k, seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+  logits = rng.normal(size=(n, e))
+  scores = jnp.asarray(1 / (1 + np.exp(-logits)), jnp.float32)
+  weights, indices, _ = moe.route(scores, jnp.zeros(e), k)
+  w1 = jnp.asarray(rng.normal(size=(e, d, f)) / np.sqrt(d), jnp.float32)
+  w3 = jnp.asarray(rng.normal(size=(e, d, f)) / np.sqrt(d), jnp.float32)
+  w2 = jnp.asarray(rng.normal(size=(e, f, d)) / np.sqrt(f), jnp.float32)
+  return x, weights, indices, w1, w3, w2
+
+
+def bench_experts(n, d, f, e, k, methods, cf, repeats):
+  """{name: (min_ms, median_ms)} for the expert MLP fwd+bwd and the dense reference."""
+  x, weights, indices, w1, w3, w2 = _problem(n, d, f, e, k)
+  probe = jnp.ones((n, d), jnp.float32) / n
+  res = {}
+
+  def moe_step(method, cap):
+    # indices are an argument, not a closure constant (XLA would constant-fold the sort).
+    def loss(x, w, w1, w3, w2, indices):
+      y, _ = moe.expert_mlp(x, w, indices, w1, w3, w2, method=method, capacity=cap)
+      return jnp.sum(y * probe)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  for name in methods:
+    if name == "gmm" and jax.default_backend() == "cpu":
+      res[name] = None  # interpret mode on CPU: correctness only, timing meaningless
+      continue
+    method, cap = name, None
+    if name == "sort@cf":
+      method, cap = "sort", moe.capacity(n, k, e, cf)
+    res[name] = _time(moe_step(method, cap), x, weights, w1, w3, w2, indices,
+                      repeats=1 if name == "reference" else repeats)
+
+  rng = np.random.default_rng(1)
+  h = k * f
+  d1 = jnp.asarray(rng.normal(size=(d, h)) / np.sqrt(d), jnp.float32)
+  d3 = jnp.asarray(rng.normal(size=(d, h)) / np.sqrt(d), jnp.float32)
+  d2 = jnp.asarray(rng.normal(size=(h, d)) / np.sqrt(h), jnp.float32)
+
+  def dense_loss(x, d1, d3, d2):
+    y = moe.situ_glu(x @ d1, x @ d3) @ d2
+    return jnp.sum(y * probe)
+
+  res["dense"] = _time(jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2, 3))),
+                       x, d1, d3, d2, repeats=repeats)
+  return res
+
+
+def bench_ragged_dot(n, d, f, e, k, repeats):
+  """GFLOP/s of ragged_dot [N·k, D] × [E, D, F] vs dense [N·k, D] × [D, F] (same FLOPs).
+
+  Called with N ≤ 1024 (8192 rows): on CPU ragged_dot's temporary grows like rows·E·D.
+  """
+  p = n * k
+  rng = np.random.default_rng(2)
+  lhs = jnp.asarray(rng.normal(size=(p, d)), jnp.float32)
+  rhs = jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32)
+  sizes = jnp.full((e,), p // e, jnp.int32).at[0].add(p - (p // e) * e)
+  flops = 2.0 * p * d * f
+  t_r, _ = _time(jax.jit(jax.lax.ragged_dot), lhs, rhs, sizes, repeats=repeats)
+  t_d, _ = _time(jax.jit(jnp.matmul), lhs, rhs[0], repeats=repeats)
+  return {"ragged_dot_gflops": flops / t_r / 1e6, "dense_matmul_gflops": flops / t_d / 1e6,
+          "ragged_over_dense_time": t_r / t_d}
+
+
+def bench_layer(repeats):
+  """fwd+bwd ms of StableLatentMoE on the `small` preset, x [8, 512, d]; None if absent."""
+  try:
+    from k3jax.config import preset
+    from k3jax.layers.backend import moe_method
+    from k3jax.layers.moe import StableLatentMoE
+  except ImportError:
+    return None, None
+  cfg = preset("small")
+  layer = StableLatentMoE(cfg)
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 512, cfg.d_model), jnp.float32)
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  params = variables["params"]
+  rest = {c: v for c, v in variables.items() if c != "params"}
+
+  def loss(params, x):
+    return jnp.mean(layer.apply({"params": params, **rest}, x) ** 2)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  return _time(step, params, x, repeats=repeats)[0], moe_method(cfg.kernel_backend)
+
+
+def main(argv):
+  del argv
+  n, d, f, e, k = FLAGS.tokens, FLAGS.dim, FLAGS.ffn, FLAGS.experts, FLAGS.k
+  load = os.getloadavg()[0]
+  print(f"backend={jax.default_backend()} devices={jax.device_count()} cpus={os.cpu_count()} "
+        f"load1={load:.1f}  N={n} D={d} F={f} E={e} k={k}  fp32, fwd+bwd")
+  res = bench_experts(n, d, f, e, k, FLAGS.methods, FLAGS.capacity_factor, FLAGS.repeats)
+  dense = res["dense"][0]
+  ns = FLAGS.small_tokens
+  small = bench_experts(ns, d, f, e, k, FLAGS.small_methods, FLAGS.capacity_factor,
+                        FLAGS.repeats) if FLAGS.small_methods else {}
+  print(f"{'method':<14}{'tokens':>8}{'min ms':>10}{'median ms':>12}{'× dense':>10}")
+  for tokens, table in ((n, res), (ns, small)):
+    for name, v in table.items():
+      if v is None:
+        print(f"{name:<14}{tokens:>8}  skipped (Pallas interpret mode on CPU)")
+        continue
+      print(f"{name:<14}{tokens:>8}{v[0]:>10.1f}{v[1]:>12.1f}{v[0] / table['dense'][0]:>10.2f}")
+  rd = bench_ragged_dot(min(n, 1024), d, f, e, k, FLAGS.repeats)
+  print(f"ragged_dot {rd['ragged_dot_gflops']:.1f} GFLOP/s vs dense matmul "
+        f"{rd['dense_matmul_gflops']:.1f} GFLOP/s ({rd['ragged_over_dense_time']:.1f}× the time)")
+  layer_ms, layer_method = bench_layer(FLAGS.repeats) if FLAGS.layer else (None, None)
+  if layer_ms is not None:
+    print(f"StableLatentMoE layer (small, x [8,512,512], method={layer_method}): "
+          f"{layer_ms:.1f} ms fwd+bwd")
+  from k3jax.layers.backend import moe_method
+  default = moe_method("auto")
+  default_name = default if res.get(default) is not None else "sort"
+  out = {
+      "moe_ms": res[default_name][0], "dense_ms": dense, "ratio": res[default_name][0] / dense,
+      "method": default_name, "backend": jax.default_backend(), "load1": load,
+      "shape": dict(tokens=n, dim=d, ffn=f, experts=e, k=k),
+      "methods_ms": {m: (None if v is None else v[0]) for m, v in res.items()},
+      "small_tokens": ns,
+      "small_methods_ms": {m: (None if v is None else v[0]) for m, v in small.items()},
+      "capacity_factor": FLAGS.capacity_factor, **rd,
+      "layer_ms": layer_ms,
+  }
+  if FLAGS.json:
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,121 @@
+r"""Generate text with a k3jax model.
+
+  python -m experiments.generate --checkpoint=runs/small --prompt="def main(" \
+      --max_new_tokens=200 --temperature=0.8 --top_p=0.95 --seed=0 --output_json=out.json
+
+--checkpoint: a training run / checkpoint directory of ours, or the output directory of
+tools/convert_from_pytorch.py (both load with `k3jax.load_pretrained`). Without --checkpoint,
+--preset builds a randomly initialised model (smoke tests). Tokenizer: `tiktoken.model` in the
+checkpoint directory (or --tokenizer=PATH) when present — the vocabulary that ships with Kimi
+checkpoints, read locally — else our byte tokenizer. --temperature=0 is greedy. --stop may be
+repeated (stop strings); --stop_token ids end generation too (default: the tokenizer's EOS).
+--speculative uses MTP speculative decoding (needs an MTP layer; prints the acceptance rate).
+Tokens are streamed to stdout as they are generated; --output_json writes
+{"prompt_tokens": [...], "tokens": [... generated only], "text": "..."}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+_CKPT = flags.DEFINE_string("checkpoint", None, "Checkpoint / run / converted directory.")
+_PRESET = flags.DEFINE_string("preset", None, "Random-init preset when no --checkpoint.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "File holding the prompt text.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tiktoken.model path (default: auto).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate.")
+_TEMP = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus mass (1.0 = off).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
+_STOP_TOKEN = flags.DEFINE_multi_integer("stop_token", None, "Stop token id (repeatable).")
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "Cache capacity (default prompt + new).")
+_SPEC = flags.DEFINE_bool("speculative", False, "MTP speculative decoding.")
+_OUT = flags.DEFINE_string("output_json", None, "Write prompt/generated tokens and text here.")
+
+
+def load_tokenizer(checkpoint: str | None, tokenizer: str | None, vocab_size: int):
+  from k3jax.tokenizer_tiktoken import TiktokenTokenizer
+  from k3jax.train.data import ByteTokenizer
+  path = tokenizer or (checkpoint and os.path.join(checkpoint, "tiktoken.model"))
+  if path and os.path.exists(path):
+    return TiktokenTokenizer.from_dir(path)
+  if tokenizer:
+    raise ValueError(f"--tokenizer: {tokenizer} does not exist")
+  return ByteTokenizer(vocab_size)
+
+
+def load_model(checkpoint: str | None, preset_name: str | None):
+  import jax
+  import k3jax
+  from k3jax.model import K3Model
+  if checkpoint:
+    return k3jax.load_pretrained(checkpoint)
+  if not preset_name:
+    raise ValueError("--checkpoint or --preset is required")
+  cfg = k3jax.preset(preset_name)
+  variables = jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0),
+                                        jax.numpy.zeros((1, 4), jax.numpy.int32))
+  return cfg, variables
+
+
+def main(argv):
+  del argv
+  from k3jax import generate as G
+  from k3jax.sampling import SamplingParams
+  if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
+    raise ValueError("exactly one of --prompt / --prompt_file is required")
+  prompt = _PROMPT.value
+  if _PROMPT_FILE.value:
+    with open(_PROMPT_FILE.value) as f:
+      prompt = f.read()
+  cfg, variables = load_model(_CKPT.value, _PRESET.value)
+  tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.vocab_size)
+  ids = [int(i) for i in tok.encode(prompt)]
+  if not ids:
+    raise ValueError("--prompt: the prompt encodes to zero tokens")
+  stops = tuple(_STOP_TOKEN.value) if _STOP_TOKEN.value is not None else (
+      (tok.eos_id,) if getattr(tok, "eos_id", None) is not None else ())
+  sampling = SamplingParams(temperature=_TEMP.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+                            stop_tokens=stops, stop_strings=tuple(_STOP.value))
+  sys.stdout.write(prompt)
+  sys.stdout.flush()
+  streamed: list[int] = []
+
+  def on_token(row, token):
+    # Stream the text increment (decode the whole suffix: multi-byte characters stay intact).
+    before = tok.decode(streamed)
+    streamed.append(token)
+    sys.stdout.write(tok.decode(streamed)[len(before):])
+    sys.stdout.flush()
+
+  if _SPEC.value:
+    out, stats = G.speculative_generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
+                                        sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value)
+    tokens = out[0]
+    sys.stdout.write(tok.decode(tokens))
+    print(f"\n[speculative] acceptance rate {stats['acceptance_rate']:.3f} over "
+          f"{stats['drafts']} drafts", file=sys.stderr)
+    text = tok.decode(tokens)
+  else:
+    checker_out = G.generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
+                             sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value,
+                             decode=tok.decode, on_token=on_token)
+    tokens = checker_out[0]
+    text = tok.decode(tokens)
+    for s in sampling.stop_strings:   # the stop string and what follows are not output
+      if s and s in text:
+        text = text[:text.find(s)]
+  sys.stdout.write("\n")
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump({"prompt_tokens": ids, "tokens": tokens, "text": text}, f, ensure_ascii=False)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (NVIDIA H200 through the lead's `device` tool), < 8 minutes.
+#
+#   device run, carry [".whl"], timeout_s 540, command:  bash experiments/gpu_check.sh
+#
+# Runs, each part under its own time limit and independent of the others' failure:
+#   1. environment: GPU, jax/jaxlib/flax/triton/torch/fla versions, jax devices;
+#   2. Pallas tests compiled for the GPU (non-interpreted Triton kernels) against the XLA path
+#      and the recurrence: tests/pallas_kernels/test_kda_chunk.py, then test_moe_gmm.py and the
+#      export tests (jax.export lowering with the machine's jax);
+#   3. python -m experiments.bench_kda --gpu_suite (B=1, H=96, K=V=128, bf16, T=8K then 32K:
+#      XLA chunked vs Pallas vs flash-linear-attention's Triton chunk_kda), one run per T;
+#   4. python -m experiments.bench_moe --json.
+# Everything lands in $OUT (at most 8 files come back): summary.txt, env.txt, tests.log,
+# bench_kda.log, bench_kda_8k.json, bench_kda_32k.json, bench_moe.log.
+# Needs `.whl/` carried: flash_linear_attention-0.6.0 and fla_core-0.6.0 wheels (pure Python;
+# torch, triton, einops and transformers are on the machine). See docs/notes/pallas_kda.md.
+#
+# Local dry run (CPU, fake OUT, short limits):  GPU_CHECK_DRY=1 OUT=/tmp/gc bash experiments/gpu_check.sh
+
+set -u
+OUT="${OUT:-/tmp/gpu_check_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+# Torch (fla) and JAX share the GPU in one process: no JAX preallocation of 75% of the memory.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Tests only: fp32 references at full precision (XLA's default fp32 dot on Hopper may use
+# TF32); the benchmarks keep the default so the XLA baseline is not slowed down.
+TESTENV="env JAX_DEFAULT_MATMUL_PRECISION=highest"
+
+DRY="${GPU_CHECK_DRY:-0}"
+if [ "$DRY" = "1" ]; then
+  PLATFORM=cpu; T_ENV=60; T_TESTS=240; T_MOE_TESTS=120; T_KDA8=120; T_KDA32=5; T_MOE=120
+  KDA_8K_ARGS="--sizes 256x2x64 --impls chunked,pallas --repeats 1"
+  KDA_32K_ARGS="--sizes 512x2x64 --impls chunked,pallas --repeats 1"
+else
+  # Limits (s): 20 + 110 + 40 + 110 + 110 + 70 = 460 at worst (< 8 minutes).
+  PLATFORM=cuda; T_ENV=20; T_TESTS=110; T_MOE_TESTS=40; T_KDA8=110; T_KDA32=110; T_MOE=70
+  KDA_8K_ARGS="--gpu_suite --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000"
+  KDA_32K_ARGS="--gpu_suite --sizes 32768x96x128 --max_run_gib 60 --max_torch_tokens 40000 --repeats 2"
+fi
+export JAX_PLATFORMS="$PLATFORM"
+
+log() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/summary.txt"; }
+
+# run NAME LIMIT LOGFILE CMD... : one part, time-limited, its status in summary.txt.
+run() {
+  local name="$1" limit="$2" logfile="$3"; shift 3
+  log "start $name (limit ${limit}s): $*"
+  echo "===== $name: $* =====" >>"$logfile"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >>"$logfile" 2>&1
+  local rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then log "TIMEOUT $name after ${limit}s"
+  elif [ $rc -ne 0 ]; then log "FAIL $name rc=$rc (see $(basename "$logfile"))"
+  else log "ok $name"; fi
+  tail -n 3 "$logfile" | sed 's/^/    | /' | cut -c1-400 | tee -a "$OUT/summary.txt" >/dev/null
+  return 0
+}
+
+# 0. wheels carried in .whl/ (pure-Python ones: unpacked, no pip or network needed).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  mkdir -p /tmp/gc_site
+  for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" /tmp/gc_site >/dev/null 2>&1 || log "could not unpack $w"; done
+  export PYTHONPATH="/tmp/gc_site:${PYTHONPATH:-}"
+  log "unpacked $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/gc_site"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+
+# 1. environment
+{
+  date -u; uname -a; nvidia-smi 2>&1 | head -15
+  "$PY" -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|flax|optax|chex|triton|torch |torch$|fla|flash|hypothesis|pytest |einops|transformers|ml.collections|numpy)" || true
+} >"$OUT/env.txt" 2>&1
+run env "$T_ENV" "$OUT/env.txt" "$PY" -c "
+import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())
+from jax.experimental.pallas import triton as pltriton; print('pallas triton', pltriton.CompilerParams)
+try:
+  import fla, fla.ops.kda; print('fla', getattr(fla, '__version__', '?'), 'chunk_kda ok')
+except Exception as e: print('fla not importable:', type(e).__name__, e)
+"
+
+# 2. tests on the GPU (JAX_PLATFORMS=cuda overrides tests/conftest.py's cpu default).
+run kda_tests "$T_TESTS" "$OUT/tests.log" $TESTENV "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+  tests/pallas_kernels/test_kda_chunk.py tests/pallas_kernels/test_export.py
+if [ -f tests/pallas_kernels/test_moe_gmm.py ]; then
+  run moe_tests "$T_MOE_TESTS" "$OUT/tests.log" $TESTENV "$PY" -m pytest -q -p no:cacheprovider \
+    tests/pallas_kernels/test_moe_gmm.py
+fi
+
+# 3. KDA benchmark, one process per T (a 32K failure or timeout keeps the 8K figures).
+run bench_kda_8k "$T_KDA8" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda $KDA_8K_ARGS \
+  --json --out "$OUT/bench_kda_8k.json"
+run bench_kda_32k "$T_KDA32" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda $KDA_32K_ARGS \
+  --json --out "$OUT/bench_kda_32k.json"
+
+# 4. MoE benchmark.
+if [ -f experiments/bench_moe.py ]; then
+  run bench_moe "$T_MOE" "$OUT/bench_moe.log" "$PY" -m experiments.bench_moe --json
+else
+  log "skip bench_moe: experiments/bench_moe.py not in the tree"
+fi
+
+log "done in $(( $(date +%s) - START ))s; files: $(ls "$OUT" | tr '\n' ' ')"

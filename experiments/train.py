@@ -1,0 +1,77 @@
+r"""Train a k3jax model.
+
+  python -m experiments.train --config=configs/tiny.py --workdir=runs/tiny \
+      --config.train.steps=300 --config.train.batch_size=8 --config.optim.lr=3e-3
+
+Every field of the config file can be overridden with --config.<group>.<field>=value (unknown
+keys are an error). The run directory receives metrics.jsonl (one JSON object per logged
+step), TensorBoard events, config.json and checkpoints/; rerunning the same command with a
+larger --config.train.steps resumes from the newest complete checkpoint.
+
+Scale-out (k3jax/sharding.py): --config.mesh.{data,fsdp,expert,context,tensor} lay the devices
+out as a mesh (product = device count, -1 fills), e.g. --config.mesh.expert=4; params and
+optimizer state are sharded by the logical-axis table, the step is jitted with those shardings
+and the layers take the expert-/context-parallel paths. --multihost calls
+jax.distributed.initialize (--coordinator_address/--num_processes/--process_id or the
+JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID variables): every process runs this
+same command, builds the same global batch and feeds only its own devices' slices.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics, checkpoints).")
+_MULTIHOST = flags.DEFINE_bool("multihost", False,
+                                "Multi-process run: call jax.distributed.initialize first.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (--multihost).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count (--multihost).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (--multihost).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def mesh_jit_step(cfg):
+  """The trainer's `jit_step` for cfg.mesh, or None when the run is single-device."""
+  import jax
+  import jax.numpy as jnp
+  from k3jax import sharding
+  from k3jax.model import K3Model
+  from k3jax.train.trainer import model_config
+  mesh_cfg = cfg.get("mesh")
+  if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)):
+    return None
+  config = model_config(cfg)
+  mesh = sharding.make_mesh(mesh_cfg)
+  sharding.check_shapes(config, mesh, batch_size=cfg.train.batch_size,
+                        seq_len=cfg.train.seq_len)
+  rules = sharding.axis_rules(fsdp_over_data=bool(mesh_cfg.get("fsdp_over_data", False))
+                              if mesh_cfg is not None else False)
+  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
+                         jnp.zeros((1, 8), jnp.int32))
+  logging.getLogger("k3jax.train").info("mesh %s", dict(mesh.shape))
+  return sharding.make_jit_step(mesh, boxed, rules)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.getLogger("k3jax.train").setLevel(logging.INFO)
+  if _MULTIHOST.value:
+    from k3jax import sharding
+    sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from k3jax.train.trainer import train
+  records = train(_CONFIG.value, _WORKDIR.value, jit_step=mesh_jit_step(_CONFIG.value))
+  if records:
+    last = records[-1]
+    print(f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s, "
+          f"MFU {100 * last['mfu']:.1f}%")
+
+
+if __name__ == "__main__":
+  app.run(main)

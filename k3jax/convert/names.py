@@ -1,0 +1,343 @@
+"""The tensor map PyTorch (Moonshot / Hugging Face names) ⇄ k3jax parameter tree.
+
+`leaves(config, arch, expert_format)` lists every leaf of our variables (collection, Flax path,
+full shape incl. the scanned [G] axis and the [E] expert axis) with the PyTorch tensor(s) that
+fill each slice and how (`kind`). Everything is derived from the config alone, so the
+converter can validate a checkpoint (names, shapes, dtypes) before reading a single tensor.
+
+Kinds (PyTorch → ours, for one slice):
+  linear     W [out, in] → W.T reshaped to our kernel slice ([in axes…, out axes…])
+  copy       same values, reshaped (norm weights, dt_bias [H·K] → [H,K], A_log [1,1,H,1] → [H])
+  conv       [C, 1, W] → [W, H, K] (tap W−1 multiplies the current token on both sides)
+  a_log_pad  K3's A_log [P ≥ H] (first H real, zero padding) → [H]
+  +mx        MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] decoded first
+
+Spec: K3_SPEC.md §9; parameter tree: docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig
+from k3jax.quant import mx
+
+A_LOG_PAD = 128   # K3 stores A_log with 128 entries (96 real heads + 32 zeros)
+PREFIXES = {"kimi_linear": ("model.", "lm_head.weight"),
+            "kimi_k3": ("language_model.model.", "language_model.lm_head.weight")}
+# Non-text parts of a K3 checkpoint (MoonViT, projector): not converted, reported.
+SKIPPED_PREFIXES = {"kimi_linear": (), "kimi_k3": ("vision_tower.", "mm_projector.",
+                                                   "multi_modal_projector.")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """One PyTorch tensor (or packed+scale pair) filling `leaf[index]`."""
+  index: tuple[int, ...]
+  names: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[str, ...]   # "float" (any float dtype) or "uint8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  collection: str                 # "params" | "balance"
+  path: tuple[str, ...]           # Flax path inside the collection
+  shape: tuple[int, ...]          # full shape
+  kind: str                       # linear | copy | conv | a_log_pad
+  mx: bool                        # slots are MXFP4 (packed, scale) pairs
+  fp32: bool                      # always stored float32 (vectors, router, decay params)
+  slots: tuple[Slot, ...]
+
+  @property
+  def lead(self) -> int:
+    return len(self.slots[0].index)
+
+  @property
+  def slice_shape(self) -> tuple[int, ...]:
+    return self.shape[self.lead:]
+
+
+# ---------------------------------------------------------------------- per-layer map
+def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_format: str):
+  """(collection, local path, local shape, kind, fp32, torch suffix, torch shape, per_expert)."""
+  d, eps = c.d_model, []
+  add = lambda *a: eps.append(a)  # noqa: E731
+  add("params", ("input_layernorm", "weight"), (d,), "copy", True, "input_layernorm.weight", (d,))
+  add("params", ("post_attention_layernorm", "weight"), (d,), "copy", True,
+      "post_attention_layernorm.weight", (d,))
+  if attn_res:
+    for ours, theirs in (("self_attention_res", "self_attention_res"), ("mlp_res", "mlp_res")):
+      add("params", (ours, "proj"), (d,), "copy", True, f"{theirs}_proj.weight", (1, d))
+      add("params", (ours, "norm"), (d,), "copy", True, f"{theirs}_norm.weight", (d,))
+  a = "self_attn"
+  if mixer == KDA:
+    h, k, r, w = c.kda_num_heads, c.kda_head_dim, c.kda_gate_rank, c.kda_conv_size
+    hk = h * k
+    for p in ("q", "k", "v"):
+      add("params", (a, f"{p}_proj", "kernel"), (d, h, k), "linear", False,
+          f"{a}.{p}_proj.weight", (hk, d))
+      add("params", (a, f"{p}_conv1d", "kernel"), (w, h, k), "conv", True,
+          f"{a}.{p}_conv1d.weight", (hk, 1, w))
+    add("params", (a, "f_a_proj", "kernel"), (d, r), "linear", False, f"{a}.f_a_proj.weight", (r, d))
+    add("params", (a, "f_b_proj", "kernel"), (r, h, k), "linear", False,
+        f"{a}.f_b_proj.weight", (hk, r))
+    add("params", (a, "b_proj", "kernel"), (d, h), "linear", False, f"{a}.b_proj.weight", (h, d))
+    if c.full_rank_gates:
+      add("params", (a, "g_proj", "kernel"), (d, h, k), "linear", False,
+          f"{a}.g_proj.weight", (hk, d))
+    else:
+      add("params", (a, "g_a_proj", "kernel"), (d, r), "linear", False,
+          f"{a}.g_a_proj.weight", (r, d))
+      add("params", (a, "g_b_proj", "kernel"), (r, h, k), "linear", False,
+          f"{a}.g_b_proj.weight", (hk, r))
+    if c.kda_lower_bound is None:   # Kimi Linear: A_log [1,1,H,1]
+      add("params", (a, "A_log"), (h,), "copy", True, f"{a}.A_log", (1, 1, h, 1))
+    else:                           # K3: A_log padded to 128 entries
+      add("params", (a, "A_log"), (h,), "a_log_pad", True, f"{a}.A_log", (max(A_LOG_PAD, h),))
+    add("params", (a, "dt_bias"), (h, k), "copy", True, f"{a}.dt_bias", (hk,))
+    add("params", (a, "o_norm", "weight"), (k,), "copy", True, f"{a}.o_norm.weight", (k,))
+    add("params", (a, "o_proj", "kernel"), (h, k, d), "linear", False, f"{a}.o_proj.weight", (d, hk))
+  else:
+    h, dqk, nope, v = c.num_heads, c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim
+    if c.q_lora_rank is None:
+      add("params", (a, "q_proj", "kernel"), (d, h, dqk), "linear", False,
+          f"{a}.q_proj.weight", (h * dqk, d))
+    else:
+      q = c.q_lora_rank
+      add("params", (a, "q_a_proj", "kernel"), (d, q), "linear", False, f"{a}.q_a_proj.weight", (q, d))
+      add("params", (a, "q_a_layernorm", "weight"), (q,), "copy", True,
+          f"{a}.q_a_layernorm.weight", (q,))
+      add("params", (a, "q_b_proj", "kernel"), (q, h, dqk), "linear", False,
+          f"{a}.q_b_proj.weight", (h * dqk, q))
+    kv = c.kv_lora_rank + c.qk_rope_head_dim
+    add("params", (a, "kv_a_proj_with_mqa", "kernel"), (d, kv), "linear", False,
+        f"{a}.kv_a_proj_with_mqa.weight", (kv, d))
+    add("params", (a, "kv_a_layernorm", "weight"), (c.kv_lora_rank,), "copy", True,
+        f"{a}.kv_a_layernorm.weight", (c.kv_lora_rank,))
+    add("params", (a, "kv_b_proj", "kernel"), (c.kv_lora_rank, h, nope + v), "linear", False,
+        f"{a}.kv_b_proj.weight", (h * (nope + v), c.kv_lora_rank))
+    if c.mla_output_gate:
+      add("params", (a, "g_proj", "kernel"), (d, h, v), "linear", False,
+          f"{a}.g_proj.weight", (h * v, d))
+    add("params", (a, "o_proj", "kernel"), (h, v, d), "linear", False, f"{a}.o_proj.weight", (d, h * v))
+  if mlp == DENSE:
+    f = c.dense_intermediate_size
+    for p in ("gate", "up"):
+      add("params", ("mlp", f"{p}_proj", "kernel"), (d, f), "linear", False,
+          f"mlp.{p}_proj.weight", (f, d))
+    add("params", ("mlp", "down_proj", "kernel"), (f, d), "linear", False,
+        "mlp.down_proj.weight", (d, f))
+  else:
+    m, e = "block_sparse_moe", c.num_experts
+    add("params", (m, "gate", "kernel"), (d, e), "linear", True, f"{m}.gate.weight", (e, d))
+    add("balance", (m, "gate", "e_score_correction_bias"), (e,), "copy", True,
+        f"{m}.gate.e_score_correction_bias", (e,))
+    if c.latent_moe_dim is not None:
+      l = c.latent_moe_dim
+      add("params", (m, "routed_expert_down_proj", "kernel"), (d, l), "linear", False,
+          f"{m}.routed_expert_down_proj.weight", (l, d))
+      add("params", (m, "routed_expert_norm", "weight"), (l,), "copy", True,
+          f"{m}.routed_expert_norm.weight", (l,))
+      add("params", (m, "routed_expert_up_proj", "kernel"), (l, d), "linear", False,
+          f"{m}.routed_expert_up_proj.weight", (d, l))
+    if c.num_shared_experts:
+      fs = c.shared_intermediate_size
+      for p in ("gate", "up"):
+        add("params", (m, "shared_experts", f"{p}_proj", "kernel"), (d, fs), "linear", False,
+            f"{m}.shared_experts.{p}_proj.weight", (fs, d))
+      add("params", (m, "shared_experts", "down_proj", "kernel"), (fs, d), "linear", False,
+          f"{m}.shared_experts.down_proj.weight", (d, fs))
+    dim = c.latent_moe_dim or d
+    f = c.moe_intermediate_size
+    for wn, ours_shape, torch_shape in (("w1", (dim, f), (f, dim)), ("w3", (dim, f), (f, dim)),
+                                        ("w2", (f, dim), (dim, f))):
+      add("params", (m, "experts", wn), ours_shape, "linear", False,
+          f"{m}.experts.{{e}}.{wn}", torch_shape, True)
+  return eps
+
+
+def _slots_for(suffix, torch_shape, per_expert, index, prefix, num_experts, expert_format):
+  if not per_expert:
+    return [Slot(index, (prefix + suffix,), (torch_shape,), ("float",))]
+  out = []
+  for e in range(num_experts):
+    base = prefix + suffix.format(e=e)
+    if expert_format == "mxfp4":
+      out_, in_ = torch_shape
+      if in_ % mx.BLOCK:
+        raise ValueError(f"expert_format='mxfp4': expert input width {in_} is not a multiple of "
+                         f"{mx.BLOCK}")
+      out.append(Slot(index + (e,), (base + ".weight_packed", base + ".weight_scale"),
+                      ((out_, in_ // 2), (out_, in_ // mx.BLOCK)), ("uint8", "uint8")))
+    else:
+      out.append(Slot(index + (e,), (base + ".weight",), (torch_shape,), ("float",)))
+  return out
+
+
+def leaves(c: ModelConfig, arch: str, expert_format: str | None = None) -> list[Leaf]:
+  """Every variable leaf of a K3Model with `c`, and the PyTorch tensors that fill it."""
+  if arch not in PREFIXES:
+    raise ValueError(f"arch: expected one of {sorted(PREFIXES)}, found {arch!r}")
+  expert_format = expert_format or ("mxfp4" if arch == "kimi_k3" else "bf16")
+  if expert_format not in ("mxfp4", "bf16"):
+    raise ValueError(f"expert_format: expected 'mxfp4' or 'bf16', found {expert_format!r}")
+  if arch == "kimi_linear" and expert_format == "mxfp4":
+    raise ValueError("expert_format: Kimi Linear checkpoints store experts unquantised ('bf16')")
+  model_prefix, head_name = PREFIXES[arch]
+  types = c.layer_types()
+  attn_res = c.attn_res_block_size is not None
+  pre, groups, suf = c.stack_layout()
+  out: list[Leaf] = []
+
+  def add_layer(i: int, path: tuple, items, index=(), lead=(), prefix=None):
+    for coll, local, shape, kind, fp32, suffix, tshape, *pe in items:
+      per_expert = bool(pe and pe[0])
+      full = lead + ((c.num_experts,) if per_expert else ()) + shape
+      slots = _slots_for(suffix, tshape, per_expert, index,
+                         prefix or f"{model_prefix}layers.{i}.", c.num_experts, expert_format)
+      out.append(Leaf(coll, path + local, full, kind, per_expert and expert_format == "mxfp4",
+                      fp32, tuple(slots)))
+
+  def single(path, shape, kind, fp32, name, tshape):
+    out.append(Leaf("params", path, shape, kind, False, fp32,
+                    (Slot((), (name,), (tshape,), ("float",)),)))
+
+  d, v = c.d_model, c.vocab_size
+  single(("embed_tokens", "embedding"), (v, d), "copy", False,
+         model_prefix + "embed_tokens.weight", (v, d))
+  for i in list(range(pre)) + list(range(c.num_layers - suf, c.num_layers)):
+    add_layer(i, (f"layers_{i}",), _layer_items(c, *types[i], attn_res, expert_format))
+  if groups:
+    # Scanned body: one leaf per group-local layer j, stacked over the groups g.
+    for j in range(c.mla_every):
+      items = _layer_items(c, *types[pre + j], attn_res, expert_format)
+      for item in items:
+        coll, local, shape, kind, fp32, suffix, tshape, *pe = item
+        per_expert = bool(pe and pe[0])
+        slots = []
+        for g in range(groups):
+          i = pre + g * c.mla_every + j
+          slots += _slots_for(suffix, tshape, per_expert, (g,), f"{model_prefix}layers.{i}.",
+                              c.num_experts, expert_format)
+        full = (groups,) + ((c.num_experts,) if per_expert else ()) + shape
+        out.append(Leaf(coll, ("body", f"layers_{j}") + local, full, kind,
+                        per_expert and expert_format == "mxfp4", fp32, tuple(slots)))
+  if attn_res:
+    single(("output_attn_res", "proj"), (d,), "copy", True,
+           model_prefix + "output_attn_res_proj.weight", (1, d))
+    single(("output_attn_res", "norm"), (d,), "copy", True,
+           model_prefix + "output_attn_res_norm.weight", (d,))
+  single(("norm", "weight"), (d,), "copy", True, model_prefix + "norm.weight", (d,))
+  if not c.tie_word_embeddings:
+    single(("lm_head", "kernel"), (d, v), "linear", False, head_name, (v, d))
+  if c.num_mtp_layers:
+    # DeepSeek-V3 convention (unverified for K3): the MTP block is layer index num_layers.
+    n = c.num_layers
+    p = f"{model_prefix}layers.{n}."
+    for name in ("enorm", "hnorm"):
+      single(("mtp", name, "weight"), (d,), "copy", True, p + f"{name}.weight", (d,))
+    single(("mtp", "eh_proj", "kernel"), (2 * d, d), "linear", False, p + "eh_proj.weight",
+           (d, 2 * d))
+    add_layer(n, ("mtp", "layer"), _layer_items(c, MLA, MOE, False, expert_format), prefix=p)
+    single(("mtp", "norm", "weight"), (d,), "copy", True, p + "shared_head.norm.weight", (d,))
+  return out
+
+
+def align(leaves_: list[Leaf], paths: set[tuple[str, ...]]) -> list[Leaf]:
+  """Match our leaf paths to an actual variables tree (`paths`: (collection, *path) tuples).
+
+  docs/contracts.md names KDA's convs `q_conv1d/kernel` and its output norm `o_norm/weight`;
+  a model that stores them as bare parameters (`q_conv1d`, `o_norm`) is matched by dropping
+  the last path element. Anything else unmatched is a ValueError listing the paths.
+  """
+  out, unmatched = [], []
+  for leaf in leaves_:
+    full = (leaf.collection,) + leaf.path
+    if full in paths:
+      out.append(leaf)
+    elif full[:-1] in paths and full[-1] in ("kernel", "weight"):
+      out.append(dataclasses.replace(leaf, path=leaf.path[:-1]))
+    else:
+      unmatched.append("/".join(full))
+  ours = {(l.collection,) + l.path for l in out}
+  extra = sorted("/".join(p) for p in paths - ours)
+  if unmatched or extra:
+    raise ValueError("the converter's tensor map and the model's variables differ:"
+                     + (f"\n  not in the model: {unmatched[:20]}" if unmatched else "")
+                     + (f"\n  not converted: {extra[:20]}" if extra else ""))
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def model_paths(c: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """(collection, *path) → shape of every variable of K3Model(c), from jax.eval_shape."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from k3jax.model import K3Model
+  tree = jax.eval_shape(lambda: K3Model(c).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
+  tree = nn.unbox(tree)
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    key = tuple(str(getattr(k, "key", k)) for k in path)
+    if key[0] in ("params", "balance"):
+      out[key] = tuple(x.shape)
+  return out
+
+
+# ---------------------------------------------------------------------- slice transforms
+def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32) -> np.ndarray:
+  """One slot's PyTorch array(s) → slice of shape leaf.slice_shape in `dtype`.
+
+  The layout change happens in the source dtype and the cast last, so a bf16 tensor stored as
+  bf16 costs one extra copy of itself (not two float32 ones): peak ≈ 2× the tensor.
+  """
+  w = mx.mxfp4_unpack(arrays[0], arrays[1], np.float32) if leaf.mx else np.asarray(arrays[0])
+  shape = leaf.slice_shape
+  if leaf.kind == "linear":
+    w = w.T.reshape(shape)
+  elif leaf.kind == "copy":
+    w = w.reshape(shape)
+  elif leaf.kind == "conv":
+    w = w[:, 0, :].T.reshape(shape)
+  elif leaf.kind == "a_log_pad":
+    w = w[:shape[0]]
+  else:
+    raise ValueError(f"unknown kind {leaf.kind!r}")
+  return w.astype(dtype, copy=False)
+
+
+def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
+  """One slice of ours → the PyTorch array(s) of `slot` (packed+scale for MXFP4)."""
+  x = np.asarray(x, np.float32)
+  tshape = slot.shapes[0]
+  if leaf.mx:
+    out_, in_ = tshape[0], tshape[1] * 2
+    w = x.reshape(in_, out_).T
+    packed, scale = mx.mxfp4_pack(np.ascontiguousarray(w))
+    return [packed, scale]
+  if leaf.kind == "linear":
+    w = x.reshape(tshape[1], tshape[0]).T
+  elif leaf.kind == "copy":
+    w = x.reshape(tshape)
+  elif leaf.kind == "conv":
+    w = x.reshape(tshape[2], tshape[0]).T[:, None, :]
+  elif leaf.kind == "a_log_pad":
+    w = np.zeros(tshape, np.float32)
+    w[:x.shape[0]] = x
+  else:
+    raise ValueError(f"unknown kind {leaf.kind!r}")
+  return [np.ascontiguousarray(w.astype(np.float32 if leaf.fp32 else dtype))]
+
+
+def slot_nbytes(slot: Slot) -> int:
+  return sum(math.prod(s) for s in slot.shapes)
+
+
+__all__ = ["Leaf", "Slot", "leaves", "align", "model_paths", "to_ours", "from_ours", "A_LOG_PAD", "PREFIXES",
+           "SKIPPED_PREFIXES"]

@@ -1,0 +1,366 @@
+"""PyTorch checkpoint directory ⇄ k3jax checkpoint (orbax, `k3jax.load_pretrained` layout).
+
+convert(src, dst): config.json → ModelConfig; validate every tensor's presence, shape and dtype
+against what the config implies (errors list the offending names); then fill our leaves one
+PyTorch tensor at a time. Large leaves live in memory-mapped scratch files (not in RAM) until
+orbax writes them; the result is written under a temporary name and renamed to `dst` only when
+complete, so an interrupted run never leaves a directory that looks like a checkpoint.
+
+export(src, dst): the inverse, to sharded safetensors + index + config.json (MXFP4 or unquantised
+experts; K3's A_log padded to 128), also via a temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import pathlib
+import re
+import shutil
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from k3jax import hf_config
+from k3jax.config import ModelConfig
+from k3jax.convert import names as N
+from k3jax.convert.safetensors_io import ShardedWriter, Source
+
+MEMMAP_MIN_BYTES = 4 << 20    # leaves at least this big are built in memory-mapped scratch files
+_STORE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def _progress(total: int, desc: str, enabled: bool):
+  from tqdm import tqdm
+  return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+              disable=not enabled, dynamic_ncols=True)
+
+
+def _tmp_paths(dst: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  tag = f"{os.getpid()}"
+  return (dst.parent / f".{dst.name}.tmp-{tag}", dst.parent / f".{dst.name}.scratch-{tag}")
+
+
+def _check_dst(dst: pathlib.Path) -> None:
+  if dst.exists():
+    raise ValueError(f"--dst {str(dst)!r} already exists; choose a new directory")
+  if not dst.parent.is_dir():
+    raise ValueError(f"--dst: parent directory {str(dst.parent)!r} does not exist")
+
+
+def read_config(src: pathlib.Path) -> dict:
+  p = src / "config.json"
+  if not p.exists():
+    raise ValueError(f"--src {str(src)!r}: no config.json")
+  try:
+    return json.loads(p.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{p}: not valid JSON ({e})") from None
+
+
+def resolve_arch(d: dict, arch: str) -> str:
+  found = hf_config.detect_arch(d)
+  if arch == "auto":
+    return found
+  if arch not in N.PREFIXES:
+    raise ValueError(f"--arch: expected auto, kimi_linear or kimi_k3, found {arch!r}")
+  if arch != found:
+    raise ValueError(f"--arch {arch}: config.json describes a {found} checkpoint "
+                     f"(model_type {d.get('model_type')!r})")
+  return arch
+
+
+def _fmt_list(items: list, limit: int = 20) -> str:
+  s = "\n  ".join(str(x) for x in items[:limit])
+  more = f"\n  … and {len(items) - limit} more" if len(items) > limit else ""
+  return "\n  " + s + more
+
+
+def validate(source: Source, leaves: list[N.Leaf], arch: str) -> list[str]:
+  """Raise ValueError listing missing / unexpected / wrong-shape / wrong-dtype tensors.
+
+  Returns the names of tensors skipped on purpose (a K3 checkpoint's vision tower).
+  """
+  expected = {}
+  for leaf in leaves:
+    for slot in leaf.slots:
+      for name, shape, kind in zip(slot.names, slot.shapes, slot.dtypes):
+        expected[name] = (shape, kind)
+  have = source.infos
+  skip = N.SKIPPED_PREFIXES[arch]
+  skipped = sorted(n for n in have if n not in expected and n.startswith(skip))
+  missing = sorted(set(expected) - set(have))
+  unexpected = sorted(set(have) - set(expected) - set(skipped))
+  wrong = []
+  for name, (shape, kind) in sorted(expected.items()):
+    if name not in have:
+      continue
+    info = have[name]
+    if tuple(info.shape) != tuple(shape):
+      wrong.append(f"{name}: config.json implies shape {list(shape)}, found {list(info.shape)}")
+    elif kind == "uint8" and info.dtype != np.uint8:
+      wrong.append(f"{name}: expected dtype uint8 (MXFP4), found {info.dtype}")
+    elif kind == "float" and info.dtype.kind not in "fV" and info.dtype.name not in (
+        "bfloat16", "float8_e4m3fn", "float8_e5m2"):
+      wrong.append(f"{name}: expected a float dtype, found {info.dtype}")
+  problems = []
+  if missing:
+    problems.append(f"{len(missing)} missing tensor(s):{_fmt_list(missing)}")
+  if unexpected:
+    problems.append(f"{len(unexpected)} unexpected tensor(s) (not used by this config):"
+                    f"{_fmt_list(unexpected)}")
+  if wrong:
+    problems.append(f"{len(wrong)} tensor(s) disagree with config.json:{_fmt_list(wrong)}")
+  if problems:
+    raise ValueError(f"checkpoint {str(source.dir)!r} does not match its config.json "
+                     f"({arch}):\n" + "\n".join(problems))
+  return skipped
+
+
+_HF_DENSE_ALIAS = re.compile(r"^(.*layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$")
+
+
+def normalize_names(source: Source) -> list[tuple[str, str]]:
+  """Accept transformers' spelling of the dense MLP as Moonshot's. Returns the renames done.
+
+  transformers 5.x `save_pretrained` of KimiLinearForCausalLM inverts its load-time rename
+  `.block_sparse_moe.` → `.mlp.` on every layer, so the *dense* layer 0 comes out as
+  `layers.0.block_sparse_moe.{gate,up,down}_proj.weight` instead of Moonshot's
+  `layers.0.mlp.*` (a transformers bug). A name is aliased only when it cannot be a MoE
+  tensor (MoE layers have no bare `block_sparse_moe.gate_proj`).
+  """
+  renames = []
+  for name in list(source.infos):
+    m = _HF_DENSE_ALIAS.match(name)
+    if m:
+      new = f"{m.group(1)}mlp.{m.group(2)}"
+      if new not in source.infos:
+        source.alias(name, new)
+        renames.append((name, new))
+  return renames
+
+
+def _mmap_of(a):
+  """The mmap object behind a (view of a) np.memmap, or None."""
+  while a is not None and not isinstance(a, mmap.mmap):
+    a = getattr(a, "base", None)
+  return a
+
+
+@contextlib.contextmanager
+def _orbax_streaming_numpy():
+  """Make orbax write numpy leaves one at a time, without copies, releasing pages as it goes.
+
+  orbax's NumpyHandler deep-copies every numpy leaf (a guard against callers modifying arrays
+  during an async save) and then writes all leaves concurrently: for us that is the whole model
+  in RAM. Our leaves are memory-mapped scratch files that nobody else touches, so while
+  converting, numpy leaves go through a NumpyHandler subclass that skips the copy, writes one
+  leaf at a time and drops each written leaf's pages from the resident set. Same handler type
+  string, so the checkpoint and its restore are exactly those of a plain save.
+  (Relies on NumpyHandler._open_and_write of orbax-checkpoint 0.12.)
+  """
+  import asyncio
+
+  from orbax.checkpoint import type_handlers as th
+
+  class SequentialNumpyHandler(th.NumpyHandler):
+    def __init__(self):
+      super().__init__(deepcopy_host_arrays=False)
+      self._locks = {}
+
+    async def _open_and_write(self, value, tspec, ts_context):
+      loop = asyncio.get_running_loop()
+      lock = self._locks.setdefault(id(loop), asyncio.Semaphore(1))
+      async with lock:
+        await super()._open_and_write(value, tspec, ts_context)
+        m = _mmap_of(value)
+        if m is not None:
+          m.madvise(mmap.MADV_DONTNEED)
+
+  old = th.get_type_handler(np.ndarray)
+  th.register_type_handler(np.ndarray, SequentialNumpyHandler(), override=True)
+  try:
+    yield
+  finally:
+    th.register_type_handler(np.ndarray, old, override=True)
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = value
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
+            dtype: str = "float32", allow_torch_pickle: bool = False, progress: bool = True,
+            log: Callable[[str], None] = print, **config_overrides) -> pathlib.Path:
+  """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`.
+
+  dtype: storage of matmul weights ("float32" or "bfloat16"); norms, A_log, dt_bias, convs and
+  the router stay float32 whatever it says.
+  """
+  from k3jax.train.checkpoint import save_pretrained
+  src, dst = pathlib.Path(src), pathlib.Path(dst)
+  if dtype not in _STORE:
+    raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
+  _check_dst(dst)
+  d = read_config(src)
+  arch = resolve_arch(d, arch)
+  config = ModelConfig.from_hf_config(d, **{"param_dtype": dtype, "dtype": dtype,
+                                            **config_overrides})
+  source = Source(src, allow_torch_pickle=allow_torch_pickle)
+  leaves = N.leaves(config, arch)
+  renamed = normalize_names(source)
+  if renamed:
+    log(f"read {len(renamed)} tensor(s) under transformers' names (e.g. {renamed[0][0]})")
+  skipped = validate(source, leaves, arch)
+  if skipped:
+    log(f"skipping {len(skipped)} non-text tensor(s) (e.g. {skipped[0]})")
+  # The checkpoint matches the config; now match our map to the model's variables tree.
+  model_tree = N.model_paths(config)
+  leaves = N.align(leaves, set(model_tree))
+  wrong = []
+  for leaf in leaves:
+    key = (leaf.collection,) + leaf.path
+    if tuple(leaf.shape) != model_tree[key]:
+      wrong.append(f"{'/'.join(key)}: map {list(leaf.shape)}, model {list(model_tree[key])}")
+  if wrong:
+    raise ValueError(f"the converter's shapes and the model's differ:{_fmt_list(wrong)}")
+
+  tmp, scratch = _tmp_paths(dst)
+  total = sum(source.infos[n].nbytes for leaf in leaves for s in leaf.slots for n in s.names)
+  n_tensors = sum(len(s.names) for leaf in leaves for s in leaf.slots)
+  variables: dict = {"params": {}, "balance": {}}
+  done = 0
+  try:
+    scratch.mkdir()
+    with _progress(total, "convert", progress) as bar:
+      for li, leaf in enumerate(leaves):
+        store = np.dtype(np.float32) if leaf.fp32 else _STORE[dtype]
+        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * store.itemsize
+        if nbytes >= MEMMAP_MIN_BYTES:
+          arr = np.lib.format.open_memmap(scratch / f"{li}.npy", mode="w+", dtype=store,
+                                          shape=leaf.shape)
+        else:
+          arr = np.empty(leaf.shape, store)
+        for slot in leaf.slots:
+          raw = [source.get(n) for n in slot.names]
+          arr[slot.index] = N.to_ours(leaf, raw, store)
+          done += len(slot.names)
+          bar.update(sum(r.nbytes for r in raw))
+          bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
+          del raw
+        if isinstance(arr, np.memmap):
+          # Written pages go to disk and leave this process's resident set (they stay in the
+          # page cache, reclaimable, until orbax reads them back).
+          arr.flush()
+          arr._mmap.madvise(mmap.MADV_DONTNEED)
+        _set(variables[leaf.collection], leaf.path, arr)
+    if not variables["balance"]:
+      del variables["balance"]
+    log(f"writing orbax checkpoint ({len(leaves)} leaves)")
+    with _orbax_streaming_numpy():
+      save_pretrained(tmp, config, variables)
+    del variables
+    os.rename(tmp, dst)   # atomic on one filesystem: dst appears only when complete
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  return dst
+
+
+# ---------------------------------------------------------------------- export
+def _natural_key(name: str):
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _get(tree: dict, path: tuple):
+  for p in path:
+    if not isinstance(tree, dict) or p not in tree:
+      return None
+    tree = tree[p]
+  return tree
+
+
+def _flat_paths(tree, prefix=()):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _flat_paths(v, prefix + (k,))
+  else:
+    yield prefix
+
+
+def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = None,
+           expert_format: str | None = None, dtype: str = "bfloat16",
+           max_shard_bytes: int = 4 << 30, progress: bool = True,
+           loaded: tuple[ModelConfig, dict] | None = None) -> pathlib.Path:
+  """Write a k3jax checkpoint (`src`, or an already `loaded` (config, variables)) as a
+  PyTorch-layout directory: sharded safetensors + index + config.json."""
+  src, dst = pathlib.Path(src) if src else None, pathlib.Path(dst)
+  if dtype not in _STORE:
+    raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
+  _check_dst(dst)
+  if loaded is None:
+    from k3jax.train.checkpoint import load_pretrained
+    loaded = load_pretrained(src)
+  config, variables = loaded
+  arch = arch or ("kimi_k3" if hf_config.is_k3_style(config) else "kimi_linear")
+  have = {p: tuple(np.shape(_get(variables, p))) for c in ("params", "balance")
+          if c in variables for p in _flat_paths(variables[c], (c,))}
+  leaves = N.align(N.leaves(config, arch, expert_format), set(have))
+  # Our tree must hold exactly these leaves with these shapes.
+  want = {(l.collection,) + l.path: l.shape for l in leaves}
+  missing = sorted("/".join(p) for p in set(want) - set(have))
+  extra = sorted("/".join(p) for p in set(have) - set(want))
+  wrong = sorted(f"{'/'.join(p)}: expected {list(want[p])}, found {list(have[p])}"
+                 for p in set(want) & set(have) if want[p] != have[p])
+  if missing or extra or wrong:
+    raise ValueError("variables do not match the config:"
+                     + (f"\n missing:{_fmt_list(missing)}" if missing else "")
+                     + (f"\n unexpected:{_fmt_list(extra)}" if extra else "")
+                     + (f"\n wrong shape:{_fmt_list(wrong)}" if wrong else ""))
+
+  store = _STORE[dtype]
+  plan, where = [], {}
+  for leaf in leaves:
+    for slot in leaf.slots:
+      for k, (name, shape, kind) in enumerate(zip(slot.names, slot.shapes, slot.dtypes)):
+        dt = np.dtype(np.uint8) if kind == "uint8" else (
+            np.dtype(np.float32) if leaf.fp32 else store)
+        plan.append((name, dt, shape))
+        where[name] = (leaf, slot, k)
+  plan.sort(key=lambda e: _natural_key(e[0]))
+
+  tmp, _ = _tmp_paths(dst)
+  try:
+    tmp.mkdir()
+    writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes)
+    pending: dict = {}
+    with _progress(writer.total_bytes, "export", progress) as bar:
+      for name, dt, _ in plan:
+        leaf, slot, k = where[name]
+        if name not in pending:
+          x = np.asarray(_get(variables, (leaf.collection,) + leaf.path))[slot.index]
+          for n2, a in zip(slot.names, N.from_ours(leaf, slot, x, store)):
+            pending[n2] = a
+        a = pending.pop(name)
+        writer.write(name, a.astype(dt, copy=False))
+        bar.update(a.nbytes)
+    writer.close()
+    cfg = hf_config.to_hf_config(config, arch)
+    tc = hf_config.text_config(cfg)
+    tc["torch_dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    os.rename(tmp, dst)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return dst
+
+
+__all__ = ["convert", "export", "validate", "read_config", "resolve_arch"]

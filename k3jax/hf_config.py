@@ -1,0 +1,296 @@
+"""`config.json` (Hugging Face / Moonshot layout) ⇄ `ModelConfig`.
+
+Two source layouts (K3_SPEC.md §9):
+- Kimi Linear (`model_type: "kimi_linear"`, flat): softplus decay, rank-r output gate,
+  `q_lora_rank: null`, classic MoE, SwiGLU, no AttnRes.
+- Kimi K3 (`model_type: "kimi_k3"`): the language model under `text_config` (itself
+  `model_type: "kimi_linear"`) with the K3 additions (`gate_lower_bound`, `use_full_rank_gate`,
+  `routed_expert_hidden_size`, `attn_res_block_size`, SiTU, MLA output gate).
+
+`from_hf_config` refuses what our model cannot reproduce (grouped top-k that actually restricts
+groups, non-sigmoid routers, no renormalisation, GQA in MLA, RoPE, biases, a layer layout other
+than "MLA every N (+ last)") with a ValueError naming the key, rather than silently converting
+into a different network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from k3jax.config import ModelConfig
+
+K3_MODEL_TYPE = "kimi_k3"
+KIMI_LINEAR_MODEL_TYPE = "kimi_linear"
+
+
+def _bad(key: str, expected: str, found: Any):
+  raise ValueError(f"config.json key {key!r}: expected {expected}, found {found!r}")
+
+
+def text_config(d: dict) -> dict:
+  """The language-model part of a config dict (K3 nests it under `text_config`)."""
+  if not isinstance(d, dict):
+    _bad("<root>", "a JSON object", type(d).__name__)
+  if d.get("model_type") == K3_MODEL_TYPE or "text_config" in d:
+    tc = d.get("text_config")
+    if not isinstance(tc, dict):
+      _bad("text_config", "an object (model_type kimi_k3 keeps the language model there)", tc)
+    return tc
+  return d
+
+
+def detect_arch(d: dict) -> str:
+  """'kimi_k3' or 'kimi_linear' from a config dict."""
+  if d.get("model_type") == K3_MODEL_TYPE or "text_config" in d:
+    return "kimi_k3"
+  if d.get("model_type") in (KIMI_LINEAR_MODEL_TYPE, None):
+    return "kimi_linear"
+  _bad("model_type", "'kimi_linear' or 'kimi_k3'", d.get("model_type"))
+
+
+def _first(d: dict, *keys, default=None):
+  for k in keys:
+    if k in d:
+      return d[k]
+  return default
+
+
+def _layer_kinds(tc: dict, n: int) -> list[str]:
+  """'kda' / 'mla' per 0-based layer from linear_attn_config (1-based lists) or layer_types."""
+  lac = tc.get("linear_attn_config") or {}
+  if "full_attn_layers" in lac:
+    full = lac["full_attn_layers"]
+    kda = lac.get("kda_layers", [i for i in range(1, n + 1) if i not in full])
+    kinds = [None] * n
+    for i in full:
+      if not 1 <= i <= n:
+        _bad("linear_attn_config.full_attn_layers", f"1-based layer indices in [1, {n}]", i)
+      kinds[i - 1] = "mla"
+    for i in kda:
+      if not 1 <= i <= n:
+        _bad("linear_attn_config.kda_layers", f"1-based layer indices in [1, {n}]", i)
+      if kinds[i - 1] is not None:
+        _bad("linear_attn_config.kda_layers", "layers disjoint from full_attn_layers", i)
+      kinds[i - 1] = "kda"
+    if None in kinds:
+      _bad("linear_attn_config", f"every layer 1..{n} in kda_layers or full_attn_layers",
+           [i + 1 for i, k in enumerate(kinds) if k is None])
+    return kinds
+  if tc.get("layer_types") is not None:
+    names = {"full_attention": "mla", "linear_attention": "kda"}
+    lt = tc["layer_types"]
+    if len(lt) != n or any(t not in names for t in lt):
+      _bad("layer_types", f"{n} entries of {sorted(names)}", lt)
+    return [names[t] for t in lt]
+  _bad("linear_attn_config.full_attn_layers", "the list of MLA layers (or layer_types)", None)
+
+
+def _layout_from_kinds(kinds: list[str]) -> tuple[int, bool]:
+  """(mla_every, mla_last) reproducing `kinds` exactly, or ValueError."""
+  n = len(kinds)
+  mla = [i for i, k in enumerate(kinds) if k == "mla"]
+  if not mla:
+    _bad("linear_attn_config.full_attn_layers", "at least one MLA layer", [])
+  for every in range(1, n + 1):
+    for last in (True, False):   # equivalent when the last layer is MLA anyway: prefer True
+      want = ["mla" if (i % every == every - 1 or (last and i == n - 1)) else "kda"
+              for i in range(n)]
+      if want == kinds:
+        return every, last
+  _bad("linear_attn_config.full_attn_layers",
+       "MLA every N layers (1-based N, 2N, …) and optionally the last layer",
+       [i + 1 for i in mla])
+
+
+def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
+  """ModelConfig of a Kimi Linear or Kimi K3 `config.json` dict.
+
+  `overrides` set fields that config.json does not describe (dtype, scan_layers, name, …).
+  """
+  arch = detect_arch(d)
+  tc = text_config(d)
+  lac = tc.get("linear_attn_config") or {}
+
+  def req(key, *aliases):
+    v = _first(tc, key, *aliases)
+    if v is None:
+      _bad(key, "a value", None)
+    return v
+
+  n = int(req("num_hidden_layers"))
+  kinds = _layer_kinds(tc, n)
+  mla_every, mla_last = _layout_from_kinds(kinds)
+
+  mlp_types = tc.get("mlp_layer_types")
+  if mlp_types is not None:
+    if len(mlp_types) != n or any(t not in ("dense", "sparse") for t in mlp_types):
+      _bad("mlp_layer_types", f"{n} entries of 'dense'/'sparse'", mlp_types)
+    first_dense = mlp_types.index("sparse") if "sparse" in mlp_types else n
+    if mlp_types != ["dense"] * first_dense + ["sparse"] * (n - first_dense):
+      _bad("mlp_layer_types", "dense layers first, then MoE layers", mlp_types)
+  else:
+    first_dense = int(_first(tc, "first_k_dense_replace", default=1))
+  if _first(tc, "moe_layer_freq", default=1) != 1:
+    _bad("moe_layer_freq", "1 (every layer after the dense ones is MoE)", tc["moe_layer_freq"])
+
+  # --- checks of behaviours our model implements in one way only
+  act = _first(tc, "moe_router_activation_func", default="sigmoid")
+  if act != "sigmoid":
+    _bad("moe_router_activation_func", "'sigmoid'", act)
+  if not _first(tc, "moe_renormalize", "norm_topk_prob", default=True):
+    _bad("moe_renormalize", "true (top-k weights renormalised)", tc.get("moe_renormalize"))
+  groups = int(_first(tc, "num_expert_group", "n_group", default=1) or 1)
+  topk_group = int(_first(tc, "topk_group", default=groups) or groups)
+  if topk_group != groups:
+    # Group-limited selection (DeepSeek-V3 style) only changes routing when topk_group < groups.
+    _bad("topk_group", f"== num_expert_group ({groups}); group-limited top-k is not implemented",
+         topk_group)
+  tm = tc.get("topk_method")
+  if tm not in (None, "noaux_tc", "greedy"):
+    _bad("topk_method", "'noaux_tc' or absent", tm)
+  if tc.get("attention_bias"):
+    _bad("attention_bias", "false", True)
+  heads = int(req("num_attention_heads"))
+  kv_heads = _first(tc, "num_key_value_heads", default=heads)
+  if kv_heads not in (None, heads):
+    _bad("num_key_value_heads", f"{heads} (= num_attention_heads; MLA has no GQA)", kv_heads)
+  if not _first(tc, "mla_use_nope", default=True):
+    _bad("mla_use_nope", "true (NoPE MLA; no rotary embedding)", False)
+  if tc.get("use_full_rank_gate") is not None and "use_full_rank_gate" not in lac:
+    lac = {**lac, "use_full_rank_gate": tc["use_full_rank_gate"]}
+
+  hidden_act = _first(tc, "hidden_act", default="silu")
+  acts = {"silu": "swiglu", "swiglu": "swiglu", "situ": "situ"}
+  if hidden_act not in acts:
+    _bad("hidden_act", f"one of {sorted(acts)}", hidden_act)
+
+  head_dim = int(_first(lac, "head_dim", default=_first(tc, "linear_head_dim", default=128)))
+  latent = _first(tc, "routed_expert_hidden_size", default=None)
+  if latent is not None and not _first(tc, "latent_moe_use_norm", default=True):
+    _bad("latent_moe_use_norm", "true (RMSNorm on the latent expert output)", False)
+  mtp = int(_first(tc, "num_nextn_predict_layers", "num_mtp_layers", default=0) or 0)
+
+  kw = dict(
+      name=str(overrides.pop("name", f"hf_{arch}")),
+      vocab_size=int(req("vocab_size")),
+      d_model=int(req("hidden_size")),
+      num_layers=n,
+      rms_norm_eps=float(_first(tc, "rms_norm_eps", default=1e-5)),
+      tie_word_embeddings=bool(_first(tc, "tie_word_embeddings",
+                                      default=d.get("tie_word_embeddings", False))),
+      mla_every=mla_every, mla_last=mla_last, first_dense_layers=first_dense,
+      kda_num_heads=int(_first(lac, "num_heads", default=_first(tc, "linear_num_heads", default=32))),
+      kda_head_dim=head_dim,
+      kda_conv_size=int(_first(lac, "short_conv_kernel_size",
+                               default=_first(tc, "linear_conv_kernel_dim", default=4))),
+      kda_lower_bound=_first(lac, "gate_lower_bound", default=None),
+      # Moonshot's f_a / g_a project to head_dim; "gate_rank" is our extension for other ranks.
+      kda_gate_rank=int(_first(lac, "gate_rank", default=head_dim)),
+      full_rank_gates=bool(_first(lac, "use_full_rank_gate", default=False)),
+      num_heads=heads,
+      q_lora_rank=_first(tc, "q_lora_rank", default=None),
+      kv_lora_rank=int(req("kv_lora_rank")),
+      qk_nope_head_dim=int(req("qk_nope_head_dim")),
+      qk_rope_head_dim=int(req("qk_rope_head_dim")),
+      v_head_dim=int(req("v_head_dim")),
+      mla_output_gate=bool(_first(tc, "mla_use_output_gate", default=False)),
+      activation=acts[hidden_act],
+      situ_beta1=float(_first(tc, "activation_situ_beta", default=4.0)),
+      situ_beta2=float(_first(tc, "activation_situ_linear_beta", default=25.0)),
+      dense_intermediate_size=int(req("intermediate_size")),
+      num_experts=int(_first(tc, "num_experts", "num_local_experts", default=0)),
+      experts_per_token=int(_first(tc, "num_experts_per_token", "num_experts_per_tok", default=0)),
+      num_shared_experts=int(_first(tc, "num_shared_experts", "n_shared_experts", default=0)),
+      moe_intermediate_size=int(req("moe_intermediate_size")),
+      latent_moe_dim=None if latent is None else int(latent),
+      routed_scaling_factor=float(_first(tc, "routed_scaling_factor", default=1.0)),
+      attn_res_block_size=_first(tc, "attn_res_block_size", default=None),
+      num_mtp_layers=mtp,
+  )
+  if kw["kda_lower_bound"] is not None:
+    kw["kda_lower_bound"] = float(kw["kda_lower_bound"])
+  if kw["q_lora_rank"] is not None:
+    kw["q_lora_rank"] = int(kw["q_lora_rank"])
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"overrides: unknown ModelConfig field(s) {unknown}")
+  return ModelConfig(**{**kw, **overrides})
+
+
+def is_k3_style(c: ModelConfig) -> bool:
+  """True when the config needs the K3 checkpoint layout (any K3-only feature)."""
+  return (c.attn_res_block_size is not None or c.latent_moe_dim is not None
+          or c.full_rank_gates or c.kda_lower_bound is not None or c.mla_output_gate
+          or c.activation == "situ")
+
+
+def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
+  """config.json dict for `c`: Kimi Linear (flat) or Kimi K3 (text_config nested).
+
+  `arch` None picks 'kimi_k3' when `c` uses any K3-only feature. Kimi Linear cannot express
+  K3 features: asking for it then is a ValueError naming the field.
+  """
+  arch = arch or ("kimi_k3" if is_k3_style(c) else "kimi_linear")
+  if arch not in ("kimi_linear", "kimi_k3"):
+    raise ValueError(f"arch: expected 'kimi_linear' or 'kimi_k3', found {arch!r}")
+  if arch == "kimi_linear":
+    for f, ok in (("attn_res_block_size", c.attn_res_block_size is None),
+                  ("latent_moe_dim", c.latent_moe_dim is None),
+                  ("full_rank_gates", not c.full_rank_gates),
+                  ("kda_lower_bound", c.kda_lower_bound is None),
+                  ("mla_output_gate", not c.mla_output_gate),
+                  ("activation", c.activation == "swiglu")):
+      if not ok:
+        raise ValueError(f"ModelConfig.{f}: {getattr(c, f)!r} has no Kimi Linear "
+                         "config.json form; export with arch='kimi_k3'")
+  n = c.num_layers
+  kinds = [t for t, _ in c.layer_types()]
+  lac = dict(
+      head_dim=c.kda_head_dim, num_heads=c.kda_num_heads, short_conv_kernel_size=c.kda_conv_size,
+      kda_layers=[i + 1 for i in range(n) if kinds[i] == "kda"],
+      full_attn_layers=[i + 1 for i in range(n) if kinds[i] == "mla"],
+  )
+  if c.kda_gate_rank != c.kda_head_dim:
+    lac["gate_rank"] = c.kda_gate_rank
+  tc = dict(
+      model_type=KIMI_LINEAR_MODEL_TYPE,
+      architectures=["KimiLinearForCausalLM"],
+      vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=n,
+      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+      num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
+      q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+      v_head_dim=c.v_head_dim, mla_use_nope=True, attention_bias=False,
+      hidden_act="silu" if c.activation == "swiglu" else "situ",
+      intermediate_size=c.dense_intermediate_size,
+      moe_intermediate_size=c.moe_intermediate_size,
+      num_experts=c.num_experts, num_experts_per_token=c.experts_per_token,
+      num_shared_experts=c.num_shared_experts, first_k_dense_replace=c.first_dense_layers,
+      moe_layer_freq=1, moe_router_activation_func="sigmoid", moe_renormalize=True,
+      routed_scaling_factor=c.routed_scaling_factor, topk_method="noaux_tc",
+      num_expert_group=1, topk_group=1, num_nextn_predict_layers=c.num_mtp_layers,
+      linear_attn_config=lac,
+      layer_types=["full_attention" if k == "mla" else "linear_attention" for k in kinds],
+      mlp_layer_types=["dense" if i < c.first_dense_layers else "sparse" for i in range(n)],
+      torch_dtype="float32" if c.param_dtype == "float32" else c.param_dtype,
+  )
+  if arch == "kimi_linear":
+    return tc
+  lac.update(use_full_rank_gate=c.full_rank_gates)
+  if c.kda_lower_bound is not None:
+    lac["gate_lower_bound"] = c.kda_lower_bound
+  tc.update(
+      mla_use_output_gate=c.mla_output_gate,
+      activation_situ_beta=c.situ_beta1, activation_situ_linear_beta=c.situ_beta2,
+  )
+  if c.latent_moe_dim is not None:
+    tc.update(routed_expert_hidden_size=c.latent_moe_dim, latent_moe_use_norm=True)
+  if c.attn_res_block_size is not None:
+    tc["attn_res_block_size"] = c.attn_res_block_size
+  return dict(model_type=K3_MODEL_TYPE, architectures=["KimiK3ForConditionalGeneration"],
+              tie_word_embeddings=c.tie_word_embeddings, text_config=tc)
+
+
+__all__ = ["from_hf_config", "to_hf_config", "detect_arch", "text_config", "is_k3_style"]

@@ -1,0 +1,90 @@
+"""Gated Multi-head Latent Attention with NoPE (spec §4).
+
+q: q_a_proj → RMSNorm → q_b_proj (or a single q_proj when q_lora_rank is None), split into the
+per-head "nope" part and the "rope" part (never rotated: NoPE). kv: kv_a_proj_with_mqa gives the
+latent c (RMSNorm'd) and a key part shared by all heads; kv_b_proj(c) gives per-head key and value.
+Causal softmax attention with scale (nope+rope)^-0.5, fp32 output, × sigmoid(g_proj x) when
+`mla_output_gate`, then o_proj. Sows `max_logit` [H] (fp32) into "stats" for QK-Clip.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers.linear import linear
+from k3jax.layers.norms import RMSNorm
+from k3jax.ops.mla import mla_attention
+
+
+def sow_stat(module: nn.Module, name: str, value):
+  """Store `value` as a plain array in "stats" (overwrite, not tuple-append); no-op at init."""
+  if module.is_initializing():
+    return
+  module.sow("stats", name, value, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+
+
+class MLA(nn.Module):
+  """Gated MLA token mixer. __call__(x [B,T,d], segment_ids [B,T] | None) → [B,T,d]."""
+  config: object
+
+  def setup(self):
+    cfg = self.config
+    h, dqk = cfg.num_heads, cfg.qk_head_dim
+    if cfg.q_lora_rank is not None:
+      self.q_a_proj = linear(cfg, cfg.q_lora_rank, ("embed", "q_latent"), name="q_a_proj")
+      self.q_a_layernorm = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="q_a_layernorm")
+      self.q_b_proj = linear(cfg, (h, dqk), ("q_latent", "heads", "head_dim"), name="q_b_proj")
+    else:
+      self.q_proj = linear(cfg, (h, dqk), ("embed", "heads", "head_dim"), name="q_proj")
+    self.kv_a_proj_with_mqa = linear(cfg, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                     ("embed", "kv_latent"), name="kv_a_proj_with_mqa")
+    self.kv_a_layernorm = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="kv_a_layernorm")
+    self.kv_b_proj = linear(cfg, (h, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                            ("kv_latent", "heads", "head_dim"), name="kv_b_proj")
+    if cfg.mla_output_gate:
+      self.g_proj = linear(cfg, (h, cfg.v_head_dim), ("embed", "heads", "head_dim"), name="g_proj")
+    self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
+                         name="o_proj")
+
+  # Public pieces (decoding reuses them with a latent cache).
+  def query(self, x):
+    """q [B,T,H,nope+rope] in compute dtype."""
+    if self.config.q_lora_rank is not None:
+      return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    return self.q_proj(x)
+
+  def latent(self, x):
+    """(c_kv [B,T,kv_rank] normalised latent, k_rope [B,T,rope] shared key part): the cache."""
+    kv = self.kv_a_proj_with_mqa(x)
+    c, k_rope = jnp.split(kv, [self.config.kv_lora_rank], axis=-1)
+    return self.kv_a_layernorm(c), k_rope
+
+  def keys_values(self, c_kv, k_rope):
+    """Materialised k [B,S,H,nope+rope] and v [B,S,H,V] from the latent."""
+    cfg = self.config
+    kv = self.kv_b_proj(c_kv)
+    k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
+    k_shared = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype),
+                                k_nope.shape[:3] + (cfg.qk_rope_head_dim,))
+    return jnp.concatenate([k_nope, k_shared], axis=-1), v
+
+  def output(self, x, o):
+    """Gate the fp32 attention output o [B,T,H,V] and project to d."""
+    if self.config.mla_output_gate:
+      o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
+    return self.o_proj(o).astype(x.dtype)
+
+  def __call__(self, x, segment_ids=None):
+    cfg = self.config
+    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
+      raise ValueError(f"MLA: x must be [B,T,d={cfg.d_model}], found {x.shape}")
+    q = self.query(x)
+    k, v = self.keys_values(*self.latent(x))
+    o, max_logit = mla_attention(q, k, v, scale=cfg.qk_head_dim ** -0.5, segment_ids=segment_ids)
+    sow_stat(self, "max_logit", max_logit)
+    return self.output(x, o)
+
+
+__all__ = ["MLA", "sow_stat"]

@@ -1,0 +1,125 @@
+"""Stable LatentMoE (spec §6); with `latent_moe_dim=None` the classic Kimi Linear MoE.
+
+  logits = x·W_r (fp32), s = sigmoid(logits)
+  (p, idx, cutoff) = route(s, b, k)        b: selection-only bias, collection "balance"
+  p ← p · routed_scaling_factor
+  latent:  y_routed = W_up RMSNorm( Σ_i p_i E_i(W_down x) )
+  classic: y_routed = Σ_i p_i E_i(x)
+  y = y_routed + shared_experts(x)          shared: one MLP of width num_shared·F
+
+Sows into "stats": `load` [E] f32 (tokens per expert), `margin_hist` [E, qb_num_bins] int32
+(margins s − cutoff over config.qb_range), `dropped` [] int32 (tokens over capacity).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from k3jax.config import dtype_of
+from k3jax.layers.linear import default_kernel_init, linear, param
+from k3jax.layers.mla import sow_stat
+from k3jax.layers.mlp import MLP
+from k3jax.layers.norms import RMSNorm
+
+
+class Experts(nn.Module):
+  """Routed expert weights: w1, w3 [E,D,F] and w2 [E,F,D] (D = ℓ, or d for classic MoE)."""
+  config: object
+  in_dim: int
+  in_axis: str
+
+  @nn.compact
+  def __call__(self):
+    cfg = self.config
+    e, dim, f = cfg.num_experts, self.in_dim, cfg.moe_intermediate_size
+    # Each expert matrix is initialised like its own [in, out] Linear (fan-in = in).
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                            out_axis=-1, batch_axis=(0,))
+    w1 = param(self, "w1", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"))
+    w3 = param(self, "w3", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"))
+    w2 = param(self, "w2", init, (e, f, dim), ("experts", "expert_mlp", self.in_axis))
+    return w1, w3, w2
+
+
+class Router(nn.Module):
+  """Router `gate`: kernel [d,E] (params, applied in fp32) and the selection-only bias
+  `e_score_correction_bias` [E] (collection "balance", zeros init; written by Quantile Balancing).
+
+  __call__(x [N,d]) → (scores = sigmoid(x·W_r) fp32 [N,E], bias fp32 [E]).
+  """
+  config: object
+
+  @nn.compact
+  def __call__(self, x):
+    e = self.config.num_experts
+    w = param(self, "kernel", default_kernel_init, (x.shape[-1], e), ("embed", "experts"))
+    bias = self.variable(
+        "balance", "e_score_correction_bias",
+        nn.with_logical_partitioning(lambda: jnp.zeros((e,), jnp.float32), ("experts",)))
+    logits = jnp.dot(x.astype(jnp.float32), w, precision="highest")
+    return nn.sigmoid(logits), bias.value.astype(jnp.float32)
+
+
+def expert_capacity(config, num_tokens: int) -> int | None:
+  """ceil(capacity_factor · N · k / E) clamped to [1, N], or None (dropless)."""
+  from k3jax.ops import moe as moe_ops
+  if config.moe_capacity_factor is None:
+    return None
+  return moe_ops.capacity(num_tokens, config.experts_per_token, config.num_experts,
+                          config.moe_capacity_factor)
+
+
+class StableLatentMoE(nn.Module):
+  """MoE MLP. __call__(x [B,T,d]) → [B,T,d] (x.dtype). See module docstring."""
+  config: object
+
+  @nn.compact
+  def __call__(self, x):
+    from k3jax.ops import moe as moe_ops
+    cfg = self.config
+    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
+      raise ValueError(f"StableLatentMoE: x must be [B,T,d={cfg.d_model}], found {x.shape}")
+    b, t, d = x.shape
+    e, k = cfg.num_experts, cfg.experts_per_token
+    xf = x.reshape(b * t, d)
+
+    scores, bias = Router(cfg, name="gate")(xf)
+    weights, indices, cutoff = moe_ops.route(scores, bias, k)
+    weights = weights.astype(jnp.float32) * cfg.routed_scaling_factor
+
+    compute = dtype_of(cfg.dtype)
+    latent = cfg.latent_moe_dim is not None
+    if latent:
+      z = linear(cfg, cfg.latent_moe_dim, ("embed", "moe_latent"),
+                 name="routed_expert_down_proj")(xf)
+      w1, w3, w2 = Experts(cfg, cfg.latent_moe_dim, "moe_latent", name="experts")()
+    else:
+      z = xf.astype(compute)
+      w1, w3, w2 = Experts(cfg, d, "embed", name="experts")()
+    if self.is_initializing():  # params never depend on the dispatch: skip it in init
+      u, dropped = jnp.zeros(z.shape, jnp.float32), 0
+    else:
+      u, dropped = moe_ops.expert_mlp(
+          z, weights, indices.astype(jnp.int32), w1.astype(compute), w3.astype(compute),
+          w2.astype(compute), activation=cfg.activation, beta1=cfg.situ_beta1,
+          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t), method="sort")
+    if latent:
+      u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
+          u.astype(jnp.float32))
+      y = linear(cfg, d, ("moe_latent", "embed"), name="routed_expert_up_proj")(u)
+    else:
+      y = u
+    y = y.astype(jnp.float32)
+    if cfg.num_shared_experts:
+      y = y + MLP(cfg, cfg.shared_intermediate_size, name="shared_experts")(xf).astype(
+          jnp.float32)
+
+    if self.is_initializing() or not self.is_mutable_collection("stats"):
+      return y.reshape(b, t, d).astype(x.dtype)  # statistics cost a histogram: only on request
+    from k3jax.ops import balance as balance_ops
+    sow_stat(self, "load", jnp.zeros((e,), jnp.float32).at[indices.reshape(-1)].add(1.0))
+    sow_stat(self, "margin_hist", balance_ops.margin_histogram(
+        scores, cutoff, cfg.qb_num_bins, cfg.qb_range).astype(jnp.int32))
+    sow_stat(self, "dropped", jnp.asarray(dropped, jnp.int32))
+    return y.reshape(b, t, d).astype(x.dtype)

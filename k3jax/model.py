@@ -1,0 +1,243 @@
+"""K3Model: embedding → hybrid KDA/MLA stack with Block AttnRes → final norm → head (+ MTP).
+
+Layer layout comes from `config.stack_layout()` = (prefix, num_groups, suffix): the prefix and
+suffix layers are unrolled modules `layers_{i}` (global index i); the body is ONE `nn.scan`
+over `num_groups` identical groups (module `body` holding `layers_0 … layers_{mla_every-1}`,
+params stacked on a leading "layers" axis). `scan_layers=False` keeps exactly the same
+parameter tree and only unrolls that loop.
+
+Block AttnRes (spec §5), when `attn_res_block_size` is set, carries a fixed-size buffer
+`blocks` [num_attn_res_blocks, B, T, d] and the running `partial` [B, T, d]. The number of
+finished blocks before layer i is a function of i alone (`blocks_before(i)`), so the scanned
+body needs no counter: the mixers mask unused buffer slots with `valid`.
+At layer i: h = mix(blocks + partial) (skipped while blocks is empty); if i % block == 0:
+append partial, partial = 0; partial += attn(norm(h)); h = mix(blocks + partial);
+partial += mlp(norm(h)). End: output mixer over blocks + partial. Without AttnRes: plain
+pre-norm residuals.
+
+MTP (one layer, DeepSeek-V3 style): position t combines hnorm(h_t) (the main model's final
+hidden state *before* the final norm) and enorm(embed(token t+1)) through eh_proj, runs one
+MLA+MoE decoder layer with plain residuals (segment ids of token t+1), a norm, and the shared
+lm_head: `mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding).
+
+Residual stream, norms' statistics, mixers, attention outputs and logits are fp32; matmuls
+run in `config.dtype`; params are fp32 masters with logical axes (docs/contracts.md).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig, dtype_of
+from k3jax.layers.attnres import AttnResMixer
+from k3jax.layers.kda import KDA as KDALayer
+from k3jax.layers.linear import linear
+from k3jax.layers.mla import MLA as MLALayer
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe import StableLatentMoE
+from k3jax.layers.norms import RMSNorm
+from k3jax.ops.attnres import attn_res_source_counts, blocks_before
+
+
+class DecoderLayer(nn.Module):
+  """One layer: token mixer (KDA | MLA) and MLP (dense | MoE), pre-norm.
+
+  __call__(state, layer_index, segment_ids) → state. With AttnRes, state = (blocks, partial)
+  and `layer_index` (python int, or a traced int in the scanned body) drives the block
+  schedule; otherwise state = h [B,T,d].
+  """
+  config: ModelConfig
+  mixer: str
+  mlp: str
+  attn_res: bool = True
+
+  @nn.compact
+  def __call__(self, state, layer_index, segment_ids=None):
+    cfg = self.config
+    eps = cfg.rms_norm_eps
+    attn = (KDALayer if self.mixer == KDA else MLALayer)(cfg, name="self_attn")
+    if self.mlp == DENSE:
+      mlp = MLP(cfg, cfg.dense_intermediate_size, name="mlp")
+    else:
+      mlp = StableLatentMoE(cfg, name="block_sparse_moe")
+    input_norm = RMSNorm(eps=eps, name="input_layernorm")
+    post_norm = RMSNorm(eps=eps, name="post_attention_layernorm")
+
+    if not self.attn_res:
+      h = state
+      h = h + attn(input_norm(h), segment_ids).astype(h.dtype)
+      return h + mlp(post_norm(h)).astype(h.dtype)
+
+    bs = cfg.attn_res_block_size
+    blocks, partial = state
+    nb = blocks.shape[0]
+    slots = jnp.arange(nb)
+    attn_mixer = AttnResMixer(cfg, name="self_attention_res")
+    mlp_mixer = AttnResMixer(cfg, name="mlp_res")
+    count = blocks_before(layer_index, bs)
+    static = isinstance(layer_index, int)
+
+    if static and count == 0:
+      h = partial  # no finished block yet: the mixer is skipped (its params still exist)
+      if self.is_initializing():
+        attn_mixer(None, partial)
+    else:
+      h = attn_mixer(blocks, partial, slots < count)
+
+    if static:
+      if layer_index % bs == 0:
+        blocks = blocks.at[count].set(partial)
+        partial = jnp.zeros_like(partial)
+    else:
+      append = layer_index % bs == 0
+      idx = jnp.minimum(count, nb - 1)
+      slot = jnp.where(append, partial, jax.lax.dynamic_index_in_dim(blocks, idx, 0, False))
+      blocks = jax.lax.dynamic_update_index_in_dim(blocks, slot, idx, 0)
+      partial = jnp.where(append, jnp.zeros_like(partial), partial)
+
+    partial = partial + attn(input_norm(h), segment_ids).astype(partial.dtype)
+    h = mlp_mixer(blocks, partial, slots < blocks_before(layer_index + 1, bs))
+    partial = partial + mlp(post_norm(h)).astype(partial.dtype)
+    return blocks, partial
+
+
+class LayerGroup(nn.Module):
+  """One scanned group: layers_0 … layers_{p-1} = [KDA]*(p-1) + [MLA], all MoE.
+
+  __call__(state, group_index, segment_ids) → (state, None); global layer index of
+  layers_j is first_layer + group_index·p + j.
+  """
+  config: ModelConfig
+  first_layer: int
+
+  @nn.compact
+  def __call__(self, state, group_index, segment_ids):
+    p = self.config.mla_every
+    for j in range(p):
+      mixer = MLA if j == p - 1 else KDA
+      state = DecoderLayer(self.config, mixer, MOE, self.config.attn_res_block_size is not None,
+                           name=f"layers_{j}")(
+          state, self.first_layer + group_index * p + j, segment_ids)
+    return state, None
+
+
+class MTP(nn.Module):
+  """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → normed hidden [B,S,d]."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, h, next_emb, segment_ids=None):
+    cfg = self.config
+    eps = cfg.rms_norm_eps
+    x = jnp.concatenate([RMSNorm(eps=eps, name="enorm")(next_emb),
+                         RMSNorm(eps=eps, name="hnorm")(h)], axis=-1)
+    x = linear(cfg, cfg.d_model, (None, "embed"), name="eh_proj")(x).astype(jnp.float32)
+    x = DecoderLayer(cfg, MLA, MOE, attn_res=False, name="layer")(x, 0, segment_ids)
+    return RMSNorm(eps=eps, name="norm")(x)
+
+
+def _check_tokens(tokens, vocab_size: int, segment_ids):
+  if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+    raise ValueError(f"K3Model: tokens must be an int array [B,T], found "
+                     f"{getattr(tokens, 'shape', type(tokens))}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"K3Model: tokens must have an integer dtype, found {tokens.dtype}")
+  if segment_ids is not None and (segment_ids.shape != tokens.shape
+                                  or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+    raise ValueError(f"K3Model: segment_ids must be int {tokens.shape}, found "
+                     f"{segment_ids.dtype} {segment_ids.shape}")
+  try:  # concrete inputs only; under jit/eval_shape the ids cannot be inspected
+    ids = np.asarray(tokens)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    raise ValueError(f"K3Model: token ids must be in [0, vocab_size={vocab_size}), found "
+                     f"[{ids.min()}, {ids.max()}]")
+
+
+class K3Model(nn.Module):
+  """The language model. See the module docstring.
+
+  __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False)
+    → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab]) with return_mtp.
+  """
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False):
+    cfg = self.config
+    _check_tokens(tokens, cfg.vocab_size, segment_ids)
+    if return_mtp and not cfg.num_mtp_layers:
+      raise ValueError("K3Model: return_mtp=True needs config.num_mtp_layers=1, found 0")
+    d, eps = cfg.d_model, cfg.rms_norm_eps
+    embed = nn.Embed(
+        cfg.vocab_size, d, dtype=jnp.float32, param_dtype=dtype_of(cfg.param_dtype),
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(1.0), ("vocab", "embed")), name="embed_tokens")
+    x = embed(tokens)
+    b, t = tokens.shape
+
+    attn_res = cfg.attn_res_block_size is not None
+    state = (jnp.zeros((cfg.num_attn_res_blocks, b, t, d), jnp.float32), x) if attn_res else x
+    types = cfg.layer_types()
+    prefix, groups, suffix = cfg.stack_layout()
+    for i in range(prefix):
+      state = DecoderLayer(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
+    if groups:
+      group = LayerGroup
+      if cfg.remat:
+        group = nn.remat(group, prevent_cse=False)
+      body = nn.scan(
+          group, variable_axes={"params": 0, "balance": 0, "stats": 0},
+          split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=groups,
+          unroll=1 if cfg.scan_layers else groups,
+          metadata_params={nn.PARTITION_NAME: "layers"})
+      state, _ = body(cfg, prefix, name="body")(state, jnp.arange(groups), segment_ids)
+    for i in range(prefix + groups * cfg.mla_every, cfg.num_layers):
+      state = DecoderLayer(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
+
+    if attn_res:
+      blocks, partial = state
+      h = AttnResMixer(cfg, name="output_attn_res")(blocks, partial)
+    else:
+      h = state
+    head = None if cfg.tie_word_embeddings else linear(cfg, cfg.vocab_size, ("embed", "vocab"),
+                                                       name="lm_head")
+    logits = self._head(embed, head, RMSNorm(eps=eps, name="norm")(h))
+
+    if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
+      mtp = MTP(cfg, name="mtp")
+      if return_mtp:
+        seg = None if segment_ids is None else segment_ids[:, 1:]
+        mtp_logits = self._head(embed, head, mtp(h[:, :-1], embed(tokens[:, 1:]), seg))
+        return logits, mtp_logits
+      mtp(h, x, segment_ids)  # init only: create the MTP params whatever T is
+    return logits
+
+  def _head(self, embed, head, h):
+    """fp32 logits [B,T,vocab] from normed hidden states (tied: embed.attend; else lm_head)."""
+    if head is None:
+      return embed.attend(h.astype(dtype_of(self.config.dtype))).astype(jnp.float32)
+    return head(h).astype(jnp.float32)
+
+
+def layer_kinds(config: ModelConfig) -> dict:
+  """Counts and positions of the layer kinds (pure python; used by tests and tools)."""
+  types = config.layer_types()
+  return {
+      "kda": [i for i, (m, _) in enumerate(types) if m == KDA],
+      "mla": [i for i, (m, _) in enumerate(types) if m == MLA],
+      "dense": [i for i, (_, f) in enumerate(types) if f == DENSE],
+      "moe": [i for i, (_, f) in enumerate(types) if f == MOE],
+  }
+
+
+def source_counts(config: ModelConfig) -> dict:
+  """AttnRes sources per mixer for `config` (see ops.attnres.attn_res_source_counts)."""
+  return attn_res_source_counts(config.num_layers, config.attn_res_block_size)
+
+
+__all__ = ["K3Model", "DecoderLayer", "LayerGroup", "MTP", "layer_kinds", "source_counts"]

@@ -1,0 +1,474 @@
+"""Kimi Delta Attention (KDA): gate, recurrent reference, chunked (XLA) form, one decode step.
+
+Spec: K3_SPEC.md §3. Per head, with state S ∈ R^{K×V} and per-channel log-decay g_t ∈ R^K:
+
+    S ← Diag(exp(g_t)) S                      (decay)
+    S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ            (delta-rule write, with the decayed S)
+    o_t = Sᵀ (scale · q_t)                     (read after the update)
+
+Layouts: q, k, g `[B,T,H,K]`; v `[B,T,H,V]`; beta `[B,T,H]`; state `[B,H,K,V]` (fp32).
+`scale` defaults to K^-0.5 and multiplies q; nothing is normalised here (callers L2-normalise
+q and k). g is a log-decay: it is expected to be ≤ 0 (what `kda_gate` returns).
+
+Document packing (`segment_ids` `[B,T]` int): where `segment_ids[:, t] != segment_ids[:, t-1]`
+the state is reset to zero before token t is processed, so tokens never see other documents.
+`initial_state` applies to the first segment only. The final state is that of the last segment.
+
+Dtypes: every computation runs in fp32 (decays, states, matmuls); `o` is returned in q's dtype
+(so bf16 in, bf16 out) and the final state is always fp32.
+
+Chunked form (`kda_chunked`), per chunk of C tokens with start state S0 and inclusive
+within-chunk cumulative log-decay G_t = Σ_{s≤t} g_s (Γ_t = exp(G_t)):
+
+    A[t,i] = β_t Σ_c k_t[c] k_i[c] exp(G_t[c] − G_i[c])      i < t
+    P[t,i] =     Σ_c q̃_t[c] k_i[c] exp(G_t[c] − G_i[c])      i ≤ t
+    (I + A) [W_v | W_k] = [β⊙V | β⊙Γ⊙K]                       (the WY/UT transform)
+    U   = W_v − W_k S0                                         (the deltas u_t of all tokens)
+    O   = (Γ⊙Q̃) S0 + P U
+    S_C = Diag(Γ_C) S0 + (exp(G_C − G)⊙K)ᵀ U
+
+Overflow-safe decay factors (our choice, valid for bounded *and* unbounded decay): every
+exponent we evaluate is a direct sum of g's (never a difference of two cumulative sums, so no
+cancellation) and is ≤ 0, so no exp ever exceeds 1:
+  * diagonal 16-token tiles: exp(G_t − G_i) is formed pairwise, exp(Σ_{i<s≤t} g_s) for t ≥ i
+    only (masked), then contracted over channels elementwise;
+  * off-diagonal tiles (tile a of rows after tile b of columns): the rescale is done relative
+    to tile a's own reference point (the position just before tile a): the row factor is
+    exp(Σ_{start(a)≤s≤t} g_s) ≤ 1 and the column factor exp(Σ_{i<s<start(a)} g_s) ≤ 1, and
+    their product is exp(G_t − G_i); these tiles are then plain dense matmuls.
+With bounded decay the classic inverse-decay rescale inside a 16-token tile would stay below
+e^80; the pairwise diagonal tile removes even that bound, at the cost of a [16,16,K]
+elementwise product per tile.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_TILE = 16  # tile size of the overflow-safe decay rescale (spec §3)
+_GROUP_TOKENS = 1024  # tokens per scan step of kda_chunked (chunks of a step are vectorised)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _fmt(shape) -> str:
+  return "[" + ",".join(str(int(s)) for s in shape) + "]"
+
+
+def _check_float(fn: str, name: str, x) -> None:
+  if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+    raise ValueError(f"{fn}: {name} must have a floating dtype, found {jnp.asarray(x).dtype}")
+
+
+def _check_shape(fn: str, name: str, x, spec: str, expected, like: str = "") -> None:
+  """Raises ValueError unless `x.shape == expected`; `spec` names the axes, e.g. "[B,T,H,K]"."""
+  shape = tuple(jnp.shape(x))
+  if shape != tuple(expected):
+    suffix = f" like {like}" if like else ""
+    raise ValueError(
+        f"{fn}: {name} must be {spec}={_fmt(expected)}{suffix}, found {_fmt(shape)}")
+
+
+def _validate_sequence_inputs(fn, q, k, v, g, beta, initial_state, segment_ids):
+  """Checks the [B,T,H,*] inputs of the sequence ops; returns (B, T, H, K, V)."""
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    _check_float(fn, name, x)
+  if jnp.ndim(q) != 4:
+    raise ValueError(f"{fn}: q must be rank 4 [B,T,H,K], found shape {_fmt(jnp.shape(q))}")
+  b, t, h, dk = q.shape
+  _check_shape(fn, "k", k, "[B,T,H,K]", (b, t, h, dk), like="q")
+  _check_shape(fn, "g", g, "[B,T,H,K]", (b, t, h, dk), like="q")
+  if jnp.ndim(v) != 4 or tuple(v.shape[:3]) != (b, t, h):
+    raise ValueError(
+        f"{fn}: v must be [B,T,H,V] with [B,T,H]={_fmt((b, t, h))} like q, found "
+        f"{_fmt(jnp.shape(v))}")
+  dv = v.shape[3]
+  _check_shape(fn, "beta", beta, "[B,T,H]", (b, t, h), like="q")
+  if initial_state is not None:
+    _check_float(fn, "initial_state", initial_state)
+    _check_shape(fn, "initial_state", initial_state, "[B,H,K,V]", (b, h, dk, dv))
+  if segment_ids is not None:
+    _check_shape(fn, "segment_ids", segment_ids, "[B,T]", (b, t))
+    if not jnp.issubdtype(jnp.asarray(segment_ids).dtype, jnp.integer):
+      raise ValueError(
+          f"{fn}: segment_ids must have an integer dtype, found {jnp.asarray(segment_ids).dtype}")
+  if t == 0:
+    raise ValueError(f"{fn}: q must have at least one token (T >= 1), found T=0")
+  return b, t, h, dk, dv
+
+
+def _default_scale(scale, dk):
+  return dk ** -0.5 if scale is None else scale
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+def kda_gate(z, A_log, dt_bias, lower_bound: float | None = None):
+  """Per-channel log-decay g (fp32) from the decay logits z.
+
+  Args:
+    z: `[B,T,H,K]` decay logits (f_b(f_a(x))).
+    A_log: `[H]` per-head log rate.
+    dt_bias: `[H,K]` per-channel bias.
+    lower_bound: K3's bounded form when set (−5.0): `lower_bound·sigmoid(exp(A_log)·(z+dt_bias))`
+      ∈ (lower_bound, 0); None gives Kimi Linear's `−exp(A_log)·softplus(z+dt_bias)`.
+
+  Returns:
+    g `[B,T,H,K]` float32, ≤ 0.
+  """
+  fn = "kda_gate"
+  for name, x in (("z", z), ("A_log", A_log), ("dt_bias", dt_bias)):
+    _check_float(fn, name, x)
+  if jnp.ndim(z) != 4:
+    raise ValueError(f"{fn}: z must be rank 4 [B,T,H,K], found shape {_fmt(jnp.shape(z))}")
+  _, _, h, dk = z.shape
+  _check_shape(fn, "A_log", A_log, "[H]", (h,))
+  _check_shape(fn, "dt_bias", dt_bias, "[H,K]", (h, dk))
+  if lower_bound is not None and not lower_bound < 0:
+    raise ValueError(f"{fn}: lower_bound must be negative (e.g. -5.0) or None, found {lower_bound}")
+  x = z.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+  rate = jnp.exp(A_log.astype(jnp.float32))[:, None]  # [H,1], broadcast over channels
+  if lower_bound is None:
+    return -rate * jax.nn.softplus(x)
+  return lower_bound * jax.nn.sigmoid(rate * x)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _step(state, q, k, v, g, beta):
+  """One recurrence step on fp32 arrays. q,k,g [B,H,K] (q already scaled), v [B,H,V], beta [B,H]."""
+  state = state * jnp.exp(g)[..., None]
+  kv = jnp.einsum("bhk,bhkv->bhv", k, state)
+  delta = beta[..., None] * (v - kv)
+  state = state + k[..., :, None] * delta[..., None, :]
+  o = jnp.einsum("bhk,bhkv->bhv", q, state)
+  return state, o
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+  """One decode token.
+
+  Args:
+    q, k, g: `[B,H,K]`; v: `[B,H,V]`; beta: `[B,H]`; state: `[B,H,K,V]`.
+    scale: multiplies q; default K^-0.5.
+
+  Returns:
+    (o `[B,H,V]` in q's dtype, new_state `[B,H,K,V]` float32).
+  """
+  fn = "kda_step"
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+    _check_float(fn, name, x)
+  if jnp.ndim(q) != 3:
+    raise ValueError(f"{fn}: q must be rank 3 [B,H,K], found shape {_fmt(jnp.shape(q))}")
+  b, h, dk = q.shape
+  _check_shape(fn, "k", k, "[B,H,K]", (b, h, dk), like="q")
+  _check_shape(fn, "g", g, "[B,H,K]", (b, h, dk), like="q")
+  if jnp.ndim(v) != 3 or tuple(v.shape[:2]) != (b, h):
+    raise ValueError(
+        f"{fn}: v must be [B,H,V] with [B,H]={_fmt((b, h))} like q, found {_fmt(jnp.shape(v))}")
+  _check_shape(fn, "beta", beta, "[B,H]", (b, h), like="q")
+  _check_shape(fn, "state", state, "[B,H,K,V]", (b, h, dk, v.shape[2]))
+  f32 = lambda x: x.astype(jnp.float32)
+  new_state, o = _step(
+      f32(state), f32(q) * _default_scale(scale, dk), f32(k), f32(v), f32(g), f32(beta))
+  return o.astype(q.dtype), new_state
+
+
+# ----------------------------------------------------------------------------- recurrent
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
+  """The obviously-correct reference: a `lax.scan` over time of `kda_step`'s update.
+
+  Args:
+    q, k, g: `[B,T,H,K]`; v: `[B,T,H,V]`; beta: `[B,T,H]`.
+    scale: multiplies q; default K^-0.5.
+    initial_state: `[B,H,K,V]` or None (zeros).
+    segment_ids: `[B,T]` int or None; the state resets to zero where the id changes.
+
+  Returns:
+    (o `[B,T,H,V]` in q's dtype, final_state `[B,H,K,V]` float32).
+  """
+  b, t, h, dk, dv = _validate_sequence_inputs(
+      "kda_recurrent", q, k, v, g, beta, initial_state, segment_ids)
+  scale = _default_scale(scale, dk)
+  time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+  xs = (time_major(q) * scale, time_major(k), time_major(v), time_major(g), time_major(beta))
+  if segment_ids is None:
+    reset = jnp.zeros((t, b), bool)
+  else:
+    changed = segment_ids[:, 1:] != segment_ids[:, :-1]
+    reset = jnp.moveaxis(jnp.pad(changed, ((0, 0), (1, 0))), 1, 0)  # no reset before token 0
+  state0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
+            else initial_state.astype(jnp.float32))
+
+  def body(state, x):
+    reset_t, (q_t, k_t, v_t, g_t, beta_t) = x
+    state = jnp.where(reset_t[:, None, None, None], 0.0, state)
+    return _step(state, q_t, k_t, v_t, g_t, beta_t)
+
+  final_state, o = lax.scan(body, state0, (reset, xs))
+  return jnp.moveaxis(o, 0, 1).astype(q.dtype), final_state
+
+
+# ----------------------------------------------------------------------------- chunked
+
+
+def _tile_masks(num_tiles: int, tile: int):
+  """Constant masks of the tiled decay computation (numpy-free, traced as constants)."""
+  t_idx = jnp.arange(tile)
+  a_idx = jnp.arange(num_tiles)
+  return dict(
+      # [j, t]: t >= j (causal, inclusive) and t > j (strict), within a tile
+      incl=(t_idx[None, :] >= t_idx[:, None]).astype(jnp.float32),
+      strict=(t_idx[None, :] > t_idx[:, None]).astype(jnp.float32),
+      # [a, b]: column tile b strictly before row tile a
+      before=(a_idx[None, :] < a_idx[:, None]),
+      # [a, b, c]: b < c < a (tiles strictly between b and a)
+      between=((a_idx[None, None, :] > a_idx[None, :, None])
+               & (a_idx[None, None, :] < a_idx[:, None, None])).astype(jnp.float32),
+      # [b, c]: c > b (tiles after b)
+      later=(a_idx[None, :] > a_idx[:, None]).astype(jnp.float32),
+  )
+
+
+def _unit_lower_inverse(n):
+  """(I + n)^-1 for strictly lower-triangular n [..., m, m], by forward substitution (exact,
+  like a triangular solve, but as m−1 small vectorised steps that XLA:CPU runs fast)."""
+  m = n.shape[-1]
+  x = jnp.broadcast_to(jnp.eye(m, dtype=n.dtype), n.shape)
+  for i in range(1, m):
+    # Row i of the inverse: e_i − Σ_{j<i} n_ij x_j (rows ≥ i of x are still e_j, and n_ij = 0
+    # for j ≥ i, so the full product only picks up the finished rows).
+    row = x[..., i, :] - jnp.einsum("...j,...jk->...k", n[..., i, :], x)
+    x = x.at[..., i, :].set(row)
+  return x
+
+
+def _intra(q, k, v, g, beta, packed_masks, *, tile: int):
+  """Everything of a chunk that does not depend on its start state, for many chunks at once.
+
+  q (scaled), k, g `[...,C,K]`, v `[...,C,V]`, beta `[...,C]` fp32 (leading dims e.g. [B,H,G]).
+  packed_masks: None or (same [...,C,C], m [...,C,1], f [...,C,1]) (see `_group`).
+  Returns a dict: w_v [...,C,V], w_k [...,C,K] (U = w_v − w_k S0), q_gamma [...,C,K],
+  p_mat [...,C,C] (O = q_gamma S0 + p_mat U), k_last [...,C,K] and decay [...,K]
+  (S_C = decay ⊙ S0 + k_lastᵀ U).
+  """
+  *lead, c, dk = k.shape
+  nt = c // tile
+  mk = _tile_masks(nt, tile)
+  tiles = lambda x: x.reshape(*x.shape[:-2], nt, tile, x.shape[-1])
+  qt, kt, gt = tiles(q), tiles(k), tiles(g)                        # [...,nt,ts,K]
+
+  # Direct sums of g (all ≤ 0, so no cancellation and every exp ≤ 1):
+  pre = jnp.cumsum(gt, axis=-2)                                    # Σ_{start(a)≤s≤t}
+  tot = pre[..., -1, :]                                            # [...,nt,K] tile totals
+  suf = jnp.concatenate(                                           # Σ_{i<s≤end(b)}
+      [lax.cumsum(gt, axis=gt.ndim - 2, reverse=True)[..., 1:, :],
+       jnp.zeros_like(gt[..., :1, :])], -2)
+  offset = jnp.concatenate(                                        # Σ over tiles before a
+      [jnp.zeros_like(tot[..., :1, :]), jnp.cumsum(tot, axis=-2)[..., :-1, :]], -2)
+  between = jnp.einsum("abc,...ck->...abk", mk["between"], tot)    # Σ over tiles b<·<a
+  later = jnp.einsum("bc,...ck->...bk", mk["later"], tot)          # Σ over tiles after b
+  gamma = jnp.exp(offset[..., None, :] + pre)                      # Γ_t = exp(G_t)
+  k_last = kt * jnp.exp(suf + later[..., None, :])                 # k_i·exp(G_C − G_i)
+  decay = jnp.exp(jnp.sum(g, axis=-2))                             # Γ_C [...,K]
+
+  # Off-diagonal tiles: reference point = just before row tile a.
+  row = jnp.exp(pre)                                               # [...,a,t,K]
+  col_exp = between[..., :, :, None, :] + suf[..., None, :, :, :]  # [...,a,b,i,K]
+  before = mk["before"][:, :, None, None]
+  col = jnp.exp(jnp.minimum(col_exp, 0.0)) * before                # ≤ 1; 0 unless b < a
+  kcol = kt[..., None, :, :, :] * col                              # [...,a,b,i,K]
+  kcol = kcol.reshape(*kcol.shape[:-3], c, dk)                    # [...,a,C,K]
+  a_off = jnp.einsum("...atk,...aik->...ati", kt * row, kcol)      # zero unless tile(i) < a
+  p_off = jnp.einsum("...atk,...aik->...ati", qt * row, kcol)
+
+  # Diagonal tiles: pairwise exp(G_t − G_j), t ≥ j (see `_diag_scores`).
+  a_diag, p_diag = _diag_scores(pre, kt, qt)
+  eye = jnp.eye(nt, dtype=jnp.float32)
+  blockdiag = lambda x: jnp.einsum("...atj,ab->...atbj", x, eye).reshape(*lead, nt, tile, c)
+  a_mat = (a_off + blockdiag(a_diag)).reshape(*lead, c, c)
+  p_mat = (p_off + blockdiag(p_diag)).reshape(*lead, c, c)
+
+  gamma = gamma.reshape(*lead, c, dk)
+  k_last = k_last.reshape(*lead, c, dk)
+  k_gamma = k * gamma
+  q_gamma = q * gamma
+  if packed_masks is not None:
+    same, m, f = packed_masks
+    a_mat = a_mat * same
+    p_mat = p_mat * same
+    k_gamma = k_gamma * m
+    q_gamma = q_gamma * m
+    k_last = k_last * f
+    decay = decay * m[..., -1, :]
+
+  # WY/UT transform: (I + N) [W_v | W_k] = β ⊙ [V | Γ⊙K], N = diag(β) A strictly lower,
+  # by block forward substitution over the 16-token tiles.
+  n_mat = beta[..., None] * a_mat
+  rhs = beta[..., None] * jnp.concatenate([v, k_gamma], axis=-1)
+  n_tiles = n_mat.reshape(*lead, nt, tile, nt, tile)
+  inv_diag = _unit_lower_inverse(_diag_blocks(n_tiles))              # [...,nt,ts,ts]
+  solved = []
+  for a in range(nt):
+    r = rhs[..., a * tile:(a + 1) * tile, :]
+    if a:
+      done = jnp.concatenate(solved, axis=-2)
+      r = r - jnp.einsum("...ti,...iw->...tw", n_mat[..., a * tile:(a + 1) * tile, :a * tile], done)
+    solved.append(jnp.einsum("...ti,...iw->...tw", inv_diag[..., a, :, :], r))
+  w = jnp.concatenate(solved, axis=-2)
+  dv = v.shape[-1]
+  return dict(w_v=w[..., :dv], w_k=w[..., dv:], q_gamma=q_gamma, p_mat=p_mat, k_last=k_last,
+              decay=decay)
+
+
+
+def _diag_decay(pre):
+  """exp(pre_t − pre_j) for t ≥ j, else 0: [...,a,t,j,K] from tile-local prefix sums [...,a,t,K].
+
+  A difference of the tile-local prefix sums (|pre| ≤ 16·max|g|, so its rounding is ~1e-5
+  relative for bounded decay; a cumsum per pair would be exact but is ~20x slower on XLA:CPU).
+  min(·, 0) keeps the masked (t < j) entries finite.
+  """
+  tile = pre.shape[-2]
+  incl = jnp.arange(tile)[:, None] >= jnp.arange(tile)[None, :]   # [t, j]
+  diff = pre[..., :, None, :] - pre[..., None, :, :]
+  return jnp.exp(jnp.minimum(diff, 0.0)) * incl[:, :, None].astype(pre.dtype)
+
+
+@jax.custom_vjp
+def _diag_scores(pre, kt, qt):
+  """Diagonal-tile scores: A[t,j] = Σ_c k_t k_j e^{G_t−G_j} (t > j), P[t,j] = Σ_c q_t k_j e^{…}
+  (t ≥ j). pre, kt, qt [...,a,ts,K] → two [...,a,ts,ts].
+
+  Hand-written backward: every reduction is written as a dot (XLA:CPU runs the fused
+  broadcast-multiply-reduce that autodiff produces here 10-50x slower).
+  """
+  return _diag_scores_fwd(pre, kt, qt)[0]
+
+
+def _diag_scores_fwd(pre, kt, qt):
+  kp = _diag_decay(pre) * kt[..., None, :, :]                      # k_j·e^{G_t−G_j} [..,t,j,K]
+  strict = jnp.tri(pre.shape[-2], k=-1, dtype=pre.dtype)           # [t, j]: t > j
+  a = jnp.einsum("...tjk,...tk->...tj", kp, kt) * strict
+  p = jnp.einsum("...tjk,...tk->...tj", kp, qt)
+  return (a, p), (pre, kt, qt)
+
+
+def _diag_scores_bwd(res, cts):
+  pre, kt, qt = res
+  da, dp = cts
+  da = da * jnp.tri(pre.shape[-2], k=-1, dtype=pre.dtype)
+  e = _diag_decay(pre)
+  kp = e * kt[..., None, :, :]
+  d_row = (jnp.einsum("...tj,...tjk->...tk", da, kp),             # dk (row side), dq
+           jnp.einsum("...tj,...tjk->...tk", dp, kp))
+  dkp = da[..., None] * kt[..., :, None, :] + dp[..., None] * qt[..., :, None, :]
+  w = dkp * e
+  ones = jnp.ones((pre.shape[-2],), pre.dtype)
+  dk_col = jnp.einsum("...tjk,t->...jk", w, ones)                  # Σ_t
+  dd = w * kt[..., None, :, :]                                     # d(G_t − G_j)
+  dpre = jnp.einsum("...tjk,j->...tk", dd, ones) - jnp.einsum("...tjk,t->...jk", dd, ones)
+  return dpre, d_row[0] + dk_col, d_row[1]
+
+
+_diag_scores.defvjp(_diag_scores_fwd, _diag_scores_bwd)
+
+
+def _diag_blocks(n_tiles):
+  """[..., nt, ts, nt, ts] -> the nt diagonal blocks [..., nt, ts, ts]."""
+  nt = n_tiles.shape[-2]
+  return jnp.stack([n_tiles[..., a, :, a, :] for a in range(nt)], axis=-3)
+
+
+def _inter(state, w_v, w_k, q_gamma, p_mat, k_last, decay):
+  """State passing through one chunk: [B,H,C,·] per-chunk tensors, state [B,H,K,V] fp32."""
+  u = w_v - jnp.einsum("...ck,...kv->...cv", w_k, state)
+  o = jnp.einsum("...ck,...kv->...cv", q_gamma, state) + jnp.einsum("...ci,...iv->...cv", p_mat, u)
+  new_state = decay[..., None] * state + jnp.einsum("...ck,...cv->...kv", k_last, u)
+  return new_state, o
+
+
+def _group(state, xs, *, tile: int, packed: bool):
+  """One scan step: G chunks. xs = (q̃, k, v, g, beta[, same, m, f]) with [B,H,G,C,·] fp32
+  (masks [B,1,G,…]: `same` token pairs in one segment, `m` tokens in the segment carried in
+  from the previous chunk, `f` tokens in the chunk's last segment).
+  Returns (state after the G chunks, o [B,H,G,C,V])."""
+  q, k, v, g, beta = xs[:5]
+  parts = _intra(q, k, v, g, beta, xs[5:] if packed else None, tile=tile)
+  names = ("w_v", "w_k", "q_gamma", "p_mat", "k_last", "decay")
+  # The sequential part: an inner scan over the G chunks (chunk axis moved first).
+  state, o = lax.scan(lambda s, x: _inter(s, *x), state,
+                      tuple(jnp.moveaxis(parts[n], 2, 0) for n in names))
+  return state, jnp.moveaxis(o, 0, 2)
+
+
+def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
+                segment_ids=None):
+  """Chunkwise KDA (WY/UT form, dense matmuls); same results as `kda_recurrent`.
+
+  A `lax.scan` carries the fp32 state over groups of chunks (about `_GROUP_TOKENS` tokens a
+  step: the state-independent work of a group is vectorised, then the state passes through its
+  chunks). The step function is rematerialised (`jax.checkpoint`), so the backward pass keeps
+  only the group-boundary states, not one per token. Any T: the sequence is padded internally
+  with g=0, beta=0, q=k=v=0 (which leave the state unchanged). Decay factors are overflow-safe
+  for any g ≤ 0 (see the module docstring).
+
+  Args:
+    q, k, g: `[B,T,H,K]`; v: `[B,T,H,V]`; beta: `[B,T,H]`.
+    scale: multiplies q; default K^-0.5.
+    initial_state: `[B,H,K,V]` or None (zeros).
+    chunk_size: tokens per chunk; ≤ 16, or a multiple of 16 (16-token tiles inside a chunk).
+      Shortened to T rounded up to the tile when T is smaller.
+    segment_ids: `[B,T]` int or None; the state resets to zero where the id changes.
+
+  Returns:
+    (o `[B,T,H,V]` in q's dtype, final_state `[B,H,K,V]` float32).
+  """
+  fn = "kda_chunked"
+  b, t, h, dk, dv = _validate_sequence_inputs(fn, q, k, v, g, beta, initial_state, segment_ids)
+  if not isinstance(chunk_size, int) or chunk_size < 1 or (
+      chunk_size > _TILE and chunk_size % _TILE):
+    raise ValueError(
+        f"{fn}: chunk_size must be a positive int, <= {_TILE} or a multiple of {_TILE}, "
+        f"found {chunk_size!r}")
+  tile = min(_TILE, chunk_size)
+  chunk = min(chunk_size, -(-t // tile) * tile)
+  n = -(-t // chunk)                                    # chunks
+  steps = -(-n // max(1, _GROUP_TOKENS // chunk))       # scan steps
+  group = -(-n // steps)                                # chunks per step
+  pad = steps * group * chunk - t
+  scale = _default_scale(scale, dk)
+
+  def to_groups(x):  # [B,T,H,D] -> [S,B,H,G,C,D] fp32, zero-padded
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    x = x.reshape(b, steps, group, chunk, h, -1)
+    return jnp.transpose(x, (1, 0, 4, 2, 3, 5))
+
+  xs = (to_groups(q) * scale, to_groups(k), to_groups(v), to_groups(g),
+        to_groups(beta[..., None])[..., 0])
+  packed = segment_ids is not None
+  if packed:
+    seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge").reshape(b, steps * group, chunk)
+    prev = jnp.concatenate([seg[:, :1, 0], seg[:, :-1, -1]], axis=1)   # id before each chunk
+    same = (seg[..., :, None] == seg[..., None, :]).astype(jnp.float32)  # [B,N,C,C]
+    m = (seg == prev[..., None]).astype(jnp.float32)[..., None]         # [B,N,C,1]
+    f = (seg == seg[..., -1:]).astype(jnp.float32)[..., None]
+    lead = lambda x: jnp.moveaxis(x.reshape(b, steps, group, *x.shape[2:]), 1, 0)[:, :, None]
+    xs = xs + (lead(same), lead(m), lead(f))                            # [S,B,1,G,...]
+
+  state0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
+            else initial_state.astype(jnp.float32))
+  body = jax.checkpoint(functools.partial(_group, tile=tile, packed=packed), prevent_cse=False)
+  final_state, o = lax.scan(body, state0, xs)          # o [S,B,H,G,C,V]
+  o = jnp.transpose(o, (1, 0, 3, 4, 2, 5)).reshape(b, steps * group * chunk, h, dv)[:, :t]
+  return o.astype(q.dtype), final_state

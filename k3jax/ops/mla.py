@@ -1,0 +1,101 @@
+"""Causal softmax attention for Gated MLA (spec §4), materialised and absorbed forms.
+
+Conventions: queries q [B,T,H,Dk], keys k [B,S,H,Dk], values v [B,S,H,V] with T ≤ S; the T
+queries are the *last* T positions of the S keys (T = S for training/prefill, T = 1 for a
+decode step against a cache). Query t may attend key s when s ≤ t + (S − T), when
+`segment_ids` (of the keys, [B,S]; the queries use its last T columns) agree, and when
+`kv_mask` [B,S] (valid cache slots) is True. Logits, softmax and the output are fp32
+(matmul inputs may be bf16; they accumulate in fp32).
+
+Both functions also return `max_logit` [H]: the largest *scaled* pre-softmax logit per head
+over batch and all allowed (query, key) pairs — the statistic QK-Clip needs (§8).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite "minus infinity": a masked logit, never produces nan
+
+
+def attention_mask(batch: int, t: int, s: int, *, segment_ids=None, kv_mask=None):
+  """Allowed (query, key) pairs, bool [B,1,T,S] (broadcast over heads)."""
+  qpos = jnp.arange(t)[:, None] + (s - t)
+  mask = (jnp.arange(s)[None, :] <= qpos)[None, None]
+  mask = jnp.broadcast_to(mask, (batch, 1, t, s))
+  if segment_ids is not None:
+    if segment_ids.shape != (batch, s):
+      raise ValueError(f"mla: segment_ids must be [B,S]=[{batch},{s}], found {segment_ids.shape}")
+    mask = mask & (segment_ids[:, None, s - t:, None] == segment_ids[:, None, None, :])
+  if kv_mask is not None:
+    if kv_mask.shape != (batch, s):
+      raise ValueError(f"mla: kv_mask must be [B,S]=[{batch},{s}], found {kv_mask.shape}")
+    mask = mask & kv_mask[:, None, None, :].astype(bool)
+  return mask
+
+
+def _softmax_and_max(logits, mask):
+  """Masked fp32 softmax over the last axis and per-head max logit ([B,H,T,S] → probs, [H])."""
+  logits = jnp.where(mask, logits, _NEG)
+  max_logit = jnp.max(logits, axis=(0, 2, 3))
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  # A row with no allowed key (only possible through kv_mask) outputs zeros.
+  probs = p / jnp.where(denom > 0, denom, 1.0)
+  return probs, max_logit
+
+
+def mla_attention(q, k, v, *, scale: float | None = None, segment_ids=None, kv_mask=None):
+  """Causal softmax attention. q [B,T,H,Dk], k [B,S,H,Dk], v [B,S,H,V] → (o fp32 [B,T,H,V], max_logit [H]).
+
+  scale defaults to Dk^-0.5 (MLA: (nope+rope)^-0.5).
+  """
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"mla_attention: q, k, v must be rank 4, found {q.shape}, {k.shape}, {v.shape}")
+  b, t, h, dk = q.shape
+  s = k.shape[1]
+  if k.shape != (b, s, h, dk):
+    raise ValueError(f"mla_attention: k must be [B,S,H,Dk]=[{b},S,{h},{dk}], found {k.shape}")
+  if v.shape[:3] != (b, s, h):
+    raise ValueError(f"mla_attention: v must be [B,S,H,V] with B,S,H={b},{s},{h}, found {v.shape}")
+  if t > s:
+    raise ValueError(f"mla_attention: queries T={t} must not exceed keys S={s}")
+  scale = dk ** -0.5 if scale is None else scale
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+  probs, max_logit = _softmax_and_max(logits, attention_mask(b, t, s, segment_ids=segment_ids,
+                                                             kv_mask=kv_mask))
+  o = jnp.einsum("bhts,bshv->bthv", probs, v.astype(jnp.float32))
+  return o, max_logit
+
+
+def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_kb, w_vb, *, scale: float,
+                           segment_ids=None, kv_mask=None):
+  """Attention straight from the cached latents, kv_b folded into the query and output.
+
+  q_nope [B,T,H,N], q_rope [B,T,H,R]; c_kv [B,S,L] (normalised latent), k_rope [B,S,R]
+  (shared key part); w_kb [L,H,N] and w_vb [L,H,V] are the key and value halves of kv_b.
+  logit = (q_nope·w_kbᵀ)·c + q_rope·k_rope; output = (probs·c)·w_vb. Equal to
+  `mla_attention` on the materialised k = [c·w_kb, k_rope], v = c·w_vb.
+  Returns (o fp32 [B,T,H,V], max_logit [H]).
+  """
+  b, t, h, _ = q_nope.shape
+  s = c_kv.shape[1]
+  if c_kv.shape[0] != b or k_rope.shape[:2] != (b, s):
+    raise ValueError(f"mla_absorbed_attention: c_kv [B,S,L] and k_rope [B,S,R] disagree: "
+                     f"{c_kv.shape}, {k_rope.shape} (B={b})")
+  if w_kb.shape[0] != c_kv.shape[-1] or w_vb.shape[0] != c_kv.shape[-1]:
+    raise ValueError(f"mla_absorbed_attention: w_kb/w_vb must start with L={c_kv.shape[-1]}, "
+                     f"found {w_kb.shape}, {w_vb.shape}")
+  q_lat = jnp.einsum("bthn,lhn->bthl", q_nope, w_kb, preferred_element_type=jnp.float32)
+  logits = (jnp.einsum("bthl,bsl->bhts", q_lat, c_kv.astype(jnp.float32))
+            + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
+  logits = logits * scale
+  probs, max_logit = _softmax_and_max(logits, attention_mask(b, t, s, segment_ids=segment_ids,
+                                                             kv_mask=kv_mask))
+  ctx = jnp.einsum("bhts,bsl->bthl", probs, c_kv.astype(jnp.float32))
+  o = jnp.einsum("bthl,lhv->bthv", ctx, w_vb.astype(jnp.float32))
+  return o, max_logit
+
+
+__all__ = ["attention_mask", "mla_attention", "mla_absorbed_attention"]

@@ -1,0 +1,338 @@
+"""Mixture-of-experts math: SiTU-GLU, sigmoid-router selection, dispatch → experts → combine.
+
+Spec §6. Pure `jnp`; no parameters. The public entry points:
+
+- `situ_glu(a, b)` / `swiglu(a, b)`: the gated activations (computed in fp32).
+- `route(scores, bias, k)`: top-k selection on biased scores, weights from unbiased scores,
+  and the (k+1)-th biased score (the Quantile Balancing cutoff, spec §7).
+- `capacity(num_tokens, k, num_experts, capacity_factor)`: static rows per expert.
+- `expert_mlp(x, weights, indices, w1, w3, w2, ...)`: the routed experts, with four methods that
+  compute the same function:
+    "reference"  every expert on every token, combined with a dense [N, E] weight matrix
+                 (slow, E/k times the needed FLOPs, obviously correct);
+    "sort"       (token, slot) pairs sorted by expert into the smaller of two static layouts:
+                 a capacity-padded [E, C, D] buffer (batched dense einsums) or, when dropless
+                 makes that buffer E/k times too big, expert-aligned T-row tiles scanned with
+                 each tile's expert weights; gathered back and combined (the fast XLA path);
+    "ragged"     `jax.lax.ragged_dot` over expert-sorted rows (dropless by construction);
+    "gmm"        the Pallas grouped matmul of `pallas_kernels.moe_gmm` over expert-sorted rows.
+
+Dropping rule (all methods agree): pairs are ranked inside each expert by their flat index
+n·k + j (token-major, earlier tokens first); a pair whose rank is ≥ `capacity` is dropped (its
+contribution is zero) and counted in `dropped`. With `capacity=None` nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+METHODS = ("reference", "sort", "ragged", "gmm")
+
+
+# --------------------------------------------------------------------------- activations
+def situ_glu(a: Array, b: Array, beta1: float = 4.0, beta2: float = 25.0) -> Array:
+  """SiTU-GLU: [β1·tanh(a/β1)·σ(a)] · [β2·tanh(b/β2)], |f| ≤ β1·β2, computed in fp32.
+
+  a, b: same shape; returns their (promoted) dtype. Near 0 it is ≈ silu(a)·b (SwiGLU).
+  """
+  if a.shape != b.shape:
+    raise ValueError(f"situ_glu: a and b must have the same shape, found {a.shape} and {b.shape}")
+  out_dtype = jnp.result_type(a, b)
+  a32 = a.astype(jnp.float32)
+  b32 = b.astype(jnp.float32)
+  gate = beta1 * jnp.tanh(a32 / beta1) * jax.nn.sigmoid(a32)
+  lin = beta2 * jnp.tanh(b32 / beta2)
+  return (gate * lin).astype(out_dtype)
+
+
+def swiglu(a: Array, b: Array) -> Array:
+  """SwiGLU: silu(a)·b, computed in fp32, returned in the inputs' dtype."""
+  if a.shape != b.shape:
+    raise ValueError(f"swiglu: a and b must have the same shape, found {a.shape} and {b.shape}")
+  out_dtype = jnp.result_type(a, b)
+  return (jax.nn.silu(a.astype(jnp.float32)) * b.astype(jnp.float32)).astype(out_dtype)
+
+
+def _activation_fn(activation: str, beta1: float, beta2: float):
+  if activation == "situ":
+    return lambda a, b: situ_glu(a, b, beta1, beta2)
+  if activation == "swiglu":
+    return swiglu
+  raise ValueError(f"activation: expected 'situ' or 'swiglu', found {activation!r}")
+
+
+# --------------------------------------------------------------------------- routing
+def route(scores: Array, bias: Array, k: int) -> tuple[Array, Array, Array]:
+  """Top-k selection on `scores + bias`; weights from the unbiased scores.
+
+  Args:
+    scores: [N, E] router scores (sigmoid of the fp32 logits).
+    bias: [E] selection-only bias (Quantile Balancing, spec §7).
+    k: experts per token, 1 ≤ k < E (the (k+1)-th value is needed for the cutoff).
+
+  Returns:
+    weights [N, k] fp32: scores at the chosen experts / (their sum + 1e-20);
+    indices [N, k] int32: chosen experts, best biased score first;
+    cutoff [N] fp32: the (k+1)-th largest biased score of each token (no gradient).
+  The bias only changes *which* experts are chosen, never the weight a chosen expert gets.
+  """
+  if scores.ndim != 2:
+    raise ValueError(f"route: scores must be [N, E], found shape {scores.shape}")
+  num_experts = scores.shape[1]
+  if bias.shape != (num_experts,):
+    raise ValueError(f"route: bias must be [E]=[{num_experts}], found shape {bias.shape}")
+  if not isinstance(k, int) or not 1 <= k < num_experts:
+    raise ValueError(f"route: k must be an int in [1, E={num_experts}), found {k!r}")
+  s32 = scores.astype(jnp.float32)
+  biased = jax.lax.stop_gradient(s32) + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  top_vals, top_idx = jax.lax.top_k(biased, k + 1)
+  indices = top_idx[:, :k].astype(jnp.int32)
+  cutoff = top_vals[:, k]
+  chosen = jnp.take_along_axis(s32, indices, axis=1)
+  weights = chosen / (jnp.sum(chosen, axis=1, keepdims=True) + 1e-20)
+  return weights, indices, cutoff
+
+
+def capacity(num_tokens: int, k: int, num_experts: int,
+             capacity_factor: float | None) -> int:
+  """Static rows per expert of the dispatch buffer.
+
+  `None` → dropless: an expert is chosen at most once per token (top-k picks distinct experts),
+  so `num_tokens` rows always suffice; that is the tight static bound (any smaller bound can be
+  exceeded by some routing). Otherwise ceil(capacity_factor · num_tokens · k / num_experts),
+  clamped to [1, num_tokens].
+  """
+  for name, v in (("num_tokens", num_tokens), ("k", k), ("num_experts", num_experts)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"capacity: {name} must be a positive int, found {v!r}")
+  if capacity_factor is None:
+    return num_tokens
+  if capacity_factor <= 0:
+    raise ValueError(f"capacity: capacity_factor must be > 0 or None, found {capacity_factor}")
+  c = math.ceil(capacity_factor * num_tokens * k / num_experts)
+  return max(1, min(num_tokens, c))
+
+
+# --------------------------------------------------------------------------- dispatch helpers
+def sort_pairs(indices: Array, num_experts: int) -> dict[str, Array]:
+  """Sort the N·k (token, slot) pairs by expert (stable: flat pair index breaks ties).
+
+  Returns a dict of int32 arrays:
+    order [P]: flat pair index (n·k + j) of each sorted row (P = N·k);
+    expert [P]: expert of each sorted row (non-decreasing);
+    token [P]: token of each sorted row;
+    group_sizes [E]: rows per expert; group_starts [E]: first sorted row of each expert;
+    rank [P]: rank of each sorted row inside its expert (0 = first).
+  """
+  n, k = indices.shape
+  flat = indices.reshape(-1).astype(jnp.int32)
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  expert = flat[order]
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  group_starts = (jnp.cumsum(group_sizes) - group_sizes).astype(jnp.int32)
+  rank = jnp.arange(n * k, dtype=jnp.int32) - group_starts[expert]
+  return dict(order=order, expert=expert, token=order // k, group_sizes=group_sizes,
+              group_starts=group_starts, rank=rank)
+
+
+def _validate(x, weights, indices, w1, w3, w2, method, capacity_):
+  if x.ndim != 2:
+    raise ValueError(f"expert_mlp: x must be [N, D], found shape {x.shape}")
+  n, d = x.shape
+  if w1.ndim != 3:
+    raise ValueError(f"expert_mlp: w1 must be [E, D, F], found shape {w1.shape}")
+  e, d1, f = w1.shape
+  if d1 != d:
+    raise ValueError(f"expert_mlp: w1 must be [E, D={d}, F], found shape {w1.shape}")
+  if w3.shape != (e, d, f):
+    raise ValueError(f"expert_mlp: w3 must be [E, D, F]={(e, d, f)}, found shape {w3.shape}")
+  if w2.shape != (e, f, d):
+    raise ValueError(f"expert_mlp: w2 must be [E, F, D]={(e, f, d)}, found shape {w2.shape}")
+  if indices.ndim != 2 or indices.shape[0] != n:
+    raise ValueError(f"expert_mlp: indices must be [N={n}, k], found shape {indices.shape}")
+  if not jnp.issubdtype(indices.dtype, jnp.integer):
+    raise ValueError(f"expert_mlp: indices must be an integer array, found {indices.dtype}")
+  if weights.shape != indices.shape:
+    raise ValueError(
+        f"expert_mlp: weights must be [N, k]={indices.shape}, found shape {weights.shape}")
+  if method not in METHODS:
+    raise ValueError(f"expert_mlp: method must be one of {METHODS}, found {method!r}")
+  if capacity_ is not None and (not isinstance(capacity_, int) or capacity_ < 1):
+    raise ValueError(f"expert_mlp: capacity must be a positive int or None, found {capacity_!r}")
+
+
+# --------------------------------------------------------------------------- expert MLP
+def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w2: Array, *,
+               activation: Literal["situ", "swiglu"] = "situ", beta1: float = 4.0,
+               beta2: float = 25.0, capacity: int | None = None,
+               method: str = "sort") -> tuple[Array, Array]:
+  """Routed experts: y_i = Σ_j weights_ij · w2[e](act(x_i w1[e], x_i w3[e])), e = indices_ij.
+
+  Args:
+    x: [N, D] tokens (the latent z for Stable LatentMoE); its dtype is the matmul dtype.
+    weights: [N, k] combine weights (fp32). indices: [N, k] int expert ids in [0, E).
+    w1, w3: [E, D, F]; w2: [E, F, D] expert weights (cast to x.dtype for the matmuls).
+    activation: "situ" (β1, β2) or "swiglu", evaluated in fp32.
+    capacity: rows per expert (see `capacity()`); None = dropless.
+    method: "reference" | "sort" | "ragged" | "gmm" (module docstring).
+
+  Returns:
+    y [N, D] in x.dtype (combine in fp32); dropped: int32 scalar, pairs over capacity.
+  Differentiable in x, weights, w1, w3, w2.
+  """
+  _validate(x, weights, indices, w1, w3, w2, method, capacity)
+  act = _activation_fn(activation, beta1, beta2)
+  cdt = x.dtype
+  w1, w3, w2 = w1.astype(cdt), w3.astype(cdt), w2.astype(cdt)
+  indices = indices.astype(jnp.int32)
+  weights = weights.astype(jnp.float32)
+  if method == "reference":
+    return _expert_mlp_reference(x, weights, indices, w1, w3, w2, act, capacity)
+  if method == "sort":
+    return _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity)
+  return _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity, method)
+
+
+def _keep_mask_reference(indices: Array, num_experts: int, capacity_: int | None) -> Array:
+  """[N, k] bool: pair kept under the dropping rule, by a cumulative count per expert."""
+  n, k = indices.shape
+  if capacity_ is None:
+    return jnp.ones((n, k), bool)
+  onehot = jax.nn.one_hot(indices.reshape(-1), num_experts, dtype=jnp.int32)  # [P, E]
+  rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)           # [P]
+  return (rank < capacity_).reshape(n, k)
+
+
+def _expert_mlp_reference(x, weights, indices, w1, w3, w2, act, capacity_):
+  """Every expert on every token, then a dense [N, E] combine. Slow; obviously correct."""
+  n, _ = x.shape
+  e = w1.shape[0]
+  keep = _keep_mask_reference(indices, e, capacity_)
+  dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], indices].add(
+      jnp.where(keep, weights, 0.0))
+  h = act(jnp.einsum("nd,edf->enf", x, w1), jnp.einsum("nd,edf->enf", x, w3))
+  out = jnp.einsum("enf,efd->end", h.astype(x.dtype), w2)
+  y = jnp.einsum("ne,end->nd", dense_w, out.astype(jnp.float32))
+  dropped = jnp.sum(~keep).astype(jnp.int32)
+  return y.astype(x.dtype), dropped
+
+
+def _tile_rows(num_pairs: int, num_experts: int) -> int:
+  """Rows per tile of the tiled layout: about a quarter of the mean rows per expert, a power
+  of two in [8, 256] (larger tiles waste more padding, smaller ones gather weights more often)."""
+  t = max(1, num_pairs // (4 * num_experts))
+  return max(8, min(256, 1 << (t.bit_length() - 1)))
+
+
+def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
+  """Sorted dispatch into the cheaper of two static layouts, then dense matmuls.
+
+  "buffer": [E, C, D] capacity-padded (E·C rows; C = N when dropless, which is E/k times the
+    needed rows);
+  "tiled": each expert's rows padded to a multiple of T rows, tiles [n_tiles, T, D]; a scan
+    over tiles multiplies each by its own expert's weights (dynamic index). Static bound
+    n_tiles = ⌊(N·k + E·(T−1)) / T⌋ ≥ Σ_e ⌈size_e / T⌉, so it is dropless for any routing.
+  Both use gathers only in the forward pass (their transposes are the scatter-adds).
+  """
+  n, d = x.shape
+  k = indices.shape[1]
+  e = w1.shape[0]
+  p = n * k
+  c = n if capacity_ is None else min(capacity_, n)
+  t = _tile_rows(p, e)
+  num_tiles = (p + e * (t - 1)) // t
+  s = sort_pairs(indices, e)
+  # Rank of every original pair inside its expert (to read its result back).
+  inv = jnp.zeros((p,), jnp.int32).at[s["order"]].set(jnp.arange(p, dtype=jnp.int32))
+  pair_rank = s["rank"][inv]                                         # [P]
+  pair_expert = indices.reshape(-1)
+  keep = pair_rank < c
+
+  if e * c <= num_tiles * t:  # the capacity buffer has fewer rows
+    r = jnp.arange(c, dtype=jnp.int32)
+    row = s["group_starts"][:, None] + r[None, :]                    # [E, C]
+    valid = r[None, :] < s["group_sizes"][:, None]
+    buf = jnp.where(valid[..., None], x[s["token"][jnp.where(valid, row, 0)]],
+                    jnp.zeros((), x.dtype))                          # [E, C, D]
+    h = act(jnp.einsum("ecd,edf->ecf", buf, w1), jnp.einsum("ecd,edf->ecf", buf, w3))
+    out = jnp.einsum("ecf,efd->ecd", h.astype(x.dtype), w2).reshape(e * c, d)
+    slot = pair_expert * c + pair_rank
+  else:  # tiled layout
+    tiles_per = (s["group_sizes"] + t - 1) // t                      # [E]
+    tile_end = jnp.cumsum(tiles_per)
+    tile_start = tile_end - tiles_per
+    tid = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tid, side="right"), e - 1)
+    r = (tid - tile_start[tile_expert])[:, None] * t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = (r < jnp.minimum(s["group_sizes"][tile_expert], c)[:, None]) & (
+        tid < tile_end[-1])[:, None]                                 # [n_tiles, T]
+    row = jnp.where(valid, s["group_starts"][tile_expert][:, None] + r, 0)
+    buf = jnp.where(valid[..., None], x[s["token"][row]], jnp.zeros((), x.dtype))
+
+    # One tile per scan step, its expert's weights read by a dynamic index: materialising
+    # w[tile_expert] ([n_tiles, D, F] per weight, and its scatter-add in the backward pass)
+    # measured ~1.5x slower on CPU than this loop (docs/notes/moe.md).
+    def tile_mlp(_, inp):
+      b, ex = inp
+      pick = lambda w: jax.lax.dynamic_index_in_dim(w, ex, keepdims=False)
+      hh = act(b @ pick(w1), b @ pick(w3))
+      return None, hh.astype(x.dtype) @ pick(w2)
+
+    _, out = jax.lax.scan(tile_mlp, None, (buf, tile_expert))
+    out = out.reshape(num_tiles * t, d)
+    slot = tile_start[pair_expert] * t + pair_rank
+  # Combine: each pair reads its slot (if kept) and is weighted in fp32.
+  contrib = out[jnp.where(keep, slot, 0)].astype(jnp.float32).reshape(n, k, d)
+  y = jnp.einsum("nk,nkd->nd", jnp.where(keep.reshape(n, k), weights, 0.0), contrib)
+  dropped = jnp.sum(~keep).astype(jnp.int32)
+  return y.astype(x.dtype), dropped
+
+
+def permute(x: Array, indices: Array, num_experts: int) -> tuple[Array, dict[str, Array]]:
+  """(token, slot) pairs → expert-sorted rows.
+
+  x [N, D], indices [N, k] → rows [N·k, D] (sorted row r is x[info["token"][r]]) and the sort
+  info of `sort_pairs` (its `group_sizes` [E] feed a grouped matmul).
+  """
+  info = sort_pairs(indices, num_experts)
+  return x[info["token"]], info
+
+
+def unpermute(rows: Array, weights: Array, info: dict[str, Array], num_tokens: int,
+              capacity: int | None = None) -> tuple[Array, Array]:
+  """Expert-sorted rows [N·k, D] → weighted sum per token [N, D] in fp32, and dropped count.
+
+  weights [N, k] (fp32). Rows whose rank inside their expert is ≥ `capacity` get weight zero.
+  """
+  keep = info["rank"] < (num_tokens if capacity is None else capacity)
+  w_sorted = jnp.where(keep, weights.reshape(-1)[info["order"]].astype(jnp.float32), 0.0)
+  y = jax.ops.segment_sum(rows.astype(jnp.float32) * w_sorted[:, None], info["token"],
+                          num_segments=num_tokens)
+  return y, jnp.sum(~keep).astype(jnp.int32)
+
+
+def _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity_, method):
+  """Expert-sorted rows [N·k, D] through a grouped matmul (ragged_dot or Pallas gmm).
+
+  Dropless compute; pairs over `capacity` are masked in the combine (same result as "sort").
+  """
+  n = x.shape[0]
+  e = w1.shape[0]
+  if method == "ragged":
+    def gmm_fn(lhs, rhs, sizes):
+      return jax.lax.ragged_dot(lhs, rhs, sizes)
+  else:
+    # The one upward import (ops -> pallas_kernels), lazy so ops never need Pallas otherwise.
+    from pallas_kernels.moe_gmm import gmm as gmm_fn  # noqa: PLC0415
+  xs, info = permute(x, indices, e)                                 # [P, D] expert-sorted
+  sizes = info["group_sizes"]
+  h = act(gmm_fn(xs, w1, sizes), gmm_fn(xs, w3, sizes))
+  out = gmm_fn(h.astype(x.dtype), w2, sizes)                         # [P, D]
+  y, dropped = unpermute(out, weights, info, n, capacity_)
+  return y.astype(x.dtype), dropped

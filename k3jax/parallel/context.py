@@ -1,0 +1,251 @@
+"""Context parallelism: the sequence axis sharded over the mesh axis `context` (spec §3, §4).
+
+KDA (`kda_context_parallel`). The delta-rule state update is affine in the state, and every
+column of S ∈ R^{K×V} evolves independently (S[:, j] += β k (v_j − S[:, j]·k) after decay), so
+over one shard
+    S_end = P · S_start + S0,        o_t = o0_t + S_startᵀ q̃_t
+where (o0, S0) is the shard run from a zero state and (q̃, P) the same run with v = 0 from
+S_start = I (P ∈ R^{K×K}; q̃_t = scale·P_tᵀ q_t). Both come from ONE call of the chunked op with
+the value columns [v | 0] and initial state [0 | I]. The shards' (P, S0) are all-gathered over
+`context` and composed in order (a scan of K×K·K×V products), giving each shard its true start
+state; its outputs are then corrected with one einsum. Document packing: inside a shard the op
+resets the state itself (so P = 0 after a boundary); a boundary at a shard's first token is
+applied by zeroing the carried-in state (the previous shard's last segment id arrives by
+`ppermute`).
+
+Short convolutions (`causal_conv_context_parallel`): each shard receives the last W−1 inputs of
+the previous shard by `ppermute` (zeros for the first shard).
+
+MLA (`mla_attention_context_parallel`): keys/values (or the latents they are expanded from) are
+all-gathered over `context`; queries keep their shard and the causal mask uses global positions.
+
+All functions here are meant to be called *inside* `jax.shard_map` with `context` among the
+manual axes (the `*_sharded` wrappers build that shard_map from a mesh).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax import sharding
+
+Array = jax.Array
+CONTEXT = "context"
+
+
+# ------------------------------------------------------------------------------ helpers
+def _axis_size(axis_name: str) -> int:
+  return jax.lax.axis_size(axis_name)
+
+
+def from_previous_shard(x: Array, axis_name: str = CONTEXT) -> Array:
+  """Value of `x` on the previous shard along `axis_name` (zeros on the first shard)."""
+  n = _axis_size(axis_name)
+  if n == 1:
+    return jnp.zeros_like(x)
+  return jax.lax.ppermute(x, axis_name, [(i, i + 1) for i in range(n - 1)])
+
+
+# ------------------------------------------------------------------------------ KDA
+def _default_kda():
+  from k3jax.ops.kda import kda_chunked  # noqa: PLC0415 (ops land independently)
+  return kda_chunked
+
+
+def kda_context_parallel(
+    q: Array, k: Array, v: Array, g: Array, beta: Array, *, scale: float,
+    initial_state: Array | None = None, chunk_size: int = 64,
+    segment_ids: Array | None = None, axis_name: str = CONTEXT,
+    kda_fn: Callable | None = None) -> tuple[Array, Array]:
+  """KDA over a sequence sharded along `axis_name`; call inside shard_map.
+
+  Args (local shards; T_l = T / context):
+    q, k: [B, T_l, H, K]; v: [B, T_l, H, V]; g: [B, T_l, H, K] log-decay (fp32);
+    beta: [B, T_l, H]; scale: query scale; chunk_size: passed to `kda_fn`.
+    initial_state: [B, H, K, V] state before the *global* first token (used by shard 0 only;
+      must be the same on every shard), or None for zeros.
+    segment_ids: [B, T_l] int32 document ids (global ids: equal ids on both sides of a shard
+      boundary mean the same document), or None.
+    kda_fn: the chunked op, `kda_chunked(q, k, v, g, beta, *, scale, initial_state,
+      chunk_size, segment_ids) -> (o, final_state)`; default `k3jax.ops.kda.kda_chunked`.
+
+  Returns:
+    o [B, T_l, H, V] (this shard's outputs, equal to the unsharded op's), and the global final
+    state [B, H, K, V] fp32 (identical on every shard).
+  """
+  kda_fn = _default_kda() if kda_fn is None else kda_fn
+  b, _, h, dk = k.shape
+  dv = v.shape[-1]
+  idx = jax.lax.axis_index(axis_name)
+  f32 = jnp.float32
+
+  # One call: columns [v | 0] from state [0 | I] give (o0 | q̃) and (S0 | P).
+  eye = jnp.broadcast_to(jnp.eye(dk, dtype=f32), (b, h, dk, dk))
+  v_ext = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], dk), v.dtype)], axis=-1)
+  s_ext = jnp.concatenate([jnp.zeros((b, h, dk, dv), f32), eye], axis=-1)
+  kw = dict(scale=scale, initial_state=s_ext, chunk_size=chunk_size)
+  if segment_ids is not None:
+    kw["segment_ids"] = segment_ids
+  o_ext, st_ext = kda_fn(q, k, v_ext, g, beta, **kw)
+  o0, q_t = o_ext[..., :dv], o_ext[..., dv:].astype(f32)
+  s0, p = st_ext[..., :dv].astype(f32), st_ext[..., dv:].astype(f32)
+
+  # keep[b] = 0 where this shard starts a new document (its carried-in state is dropped).
+  if segment_ids is None:
+    keep = jnp.ones((b,), f32)
+  else:
+    prev_last = from_previous_shard(segment_ids[:, -1], axis_name)
+    keep = jnp.where((idx == 0) | (prev_last == segment_ids[:, 0]), 1.0, 0.0).astype(f32)
+
+  init = (jnp.zeros((b, h, dk, dv), f32) if initial_state is None
+          else initial_state.astype(f32))
+  # Gather every shard's (P, S0, keep) and compose them in order on every shard (a scan of
+  # n tiny matmuls beats n−1 sequential ppermute hops in latency).
+  ps, s0s, keeps = (jax.lax.all_gather(x, axis_name) for x in (p, s0, keep))
+
+  def compose(state, xs):  # state: end of the previous shard = start of shard j
+    p_j, s0_j, keep_j = xs
+    eff = state * keep_j[:, None, None, None]
+    end = jnp.einsum("bhij,bhjv->bhiv", p_j, eff, precision="highest") + s0_j
+    return end, eff
+
+  final, starts = jax.lax.scan(compose, init, (ps, s0s, keeps))
+  start = starts[idx]
+  corr = jnp.einsum("bthk,bhkv->bthv", q_t, start, precision="highest")
+  o = (o0.astype(f32) + corr).astype(o0.dtype)
+  return o, final
+
+
+def kda_context_parallel_sharded(
+    mesh, q, k, v, g, beta, *, scale, initial_state=None, chunk_size=64, segment_ids=None,
+    kda_fn=None):
+  """`kda_context_parallel` under a shard_map built from `mesh` (global arrays in and out).
+
+  Batch over `sharding.BATCH_AXES`, length over `context`, heads over `tensor`.
+  """
+  bt = P(sharding.BATCH_AXES, CONTEXT, "tensor")
+  st = P(sharding.BATCH_AXES, "tensor")
+  args = [q, k, v, g, beta]
+  specs = [bt, bt, bt, bt, bt]
+  has_init = initial_state is not None
+  has_seg = segment_ids is not None
+  if has_init:
+    args.append(initial_state)
+    specs.append(st)
+  if has_seg:
+    args.append(segment_ids)
+    specs.append(P(sharding.BATCH_AXES, CONTEXT))
+
+  def body(*a):
+    q_, k_, v_, g_, b_ = a[:5]
+    rest = list(a[5:])
+    init = rest.pop(0) if has_init else None
+    seg = rest.pop(0) if has_seg else None
+    return kda_context_parallel(q_, k_, v_, g_, b_, scale=scale, initial_state=init,
+                                chunk_size=chunk_size, segment_ids=seg, kda_fn=kda_fn)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(bt, st),
+                     check_vma=False)
+  return fn(*args)
+
+
+# ------------------------------------------------------------------------------ short conv
+def causal_conv_context_parallel(x: Array, kernel: Array, *, axis_name: str = CONTEXT,
+                                 segment_ids: Array | None = None) -> Array:
+  """Causal depthwise convolution of a sequence sharded along `axis_name`; inside shard_map.
+
+  Args:
+    x: [B, T_l, ...C] local inputs; kernel: [W, ...C], taps in time order (tap W−1 multiplies
+      the current token). segment_ids: [B, T_l] or None; when given, taps never reach into an
+      earlier document (inputs of other documents count as zeros).
+  Returns [B, T_l, ...C] (no activation), equal to the unsharded convolution.
+  """
+  w = kernel.shape[0]
+  t = x.shape[1]
+  if w > 1 and t < w - 1:
+    raise ValueError(f"x: local sequence length {t} is shorter than the conv halo {w - 1}")
+  halo = from_previous_shard(x[:, t - (w - 1):], axis_name) if w > 1 else x[:, :0]
+  xe = jnp.concatenate([halo, x], axis=1)                           # [B, T_l + W − 1, ...]
+  if segment_ids is not None:
+    seg_halo = from_previous_shard(segment_ids[:, t - (w - 1):], axis_name) if w > 1 else (
+        segment_ids[:, :0])
+    sege = jnp.concatenate([seg_halo, segment_ids], axis=1)
+  out = jnp.zeros(x.shape, jnp.float32)
+  for j in range(w):  # tap j reads the token W−1−j steps back
+    src = xe[:, j:j + t].astype(jnp.float32)
+    if segment_ids is not None:
+      same = (sege[:, j:j + t] == segment_ids)
+      src = src * same.reshape(same.shape + (1,) * (x.ndim - 2))
+    out = out + src * kernel[j].astype(jnp.float32)
+  return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------ MLA
+def all_gather_sequence(x: Array, axis_name: str = CONTEXT) -> Array:
+  """[B, T_l, ...] → [B, T, ...]: the whole sequence on every shard (in shard order)."""
+  return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+def mla_attention_context_parallel(
+    q: Array, k: Array, v: Array, *, scale: float, segment_ids: Array | None = None,
+    axis_name: str = CONTEXT) -> Array:
+  """Causal softmax attention with queries sharded and keys/values gathered; inside shard_map.
+
+  Args:
+    q: [B, T_l, H, Dk] local queries; k: [B, T_l, H, Dk], v: [B, T_l, H, Dv] local keys
+      and values (gathered here; gather the latents instead and expand after, to move
+      kv_rank+rope numbers per token rather than H·(Dk+Dv)); segment_ids [B, T_l] or None.
+  Returns [B, T_l, H, Dv] fp32 (spec §4: attention output in fp32).
+  """
+  t_l = q.shape[1]
+  idx = jax.lax.axis_index(axis_name)
+  kg, vg = all_gather_sequence(k, axis_name), all_gather_sequence(v, axis_name)
+  qpos = idx * t_l + jnp.arange(t_l)
+  kpos = jnp.arange(kg.shape[1])
+  mask = (kpos[None, :] <= qpos[:, None])[None]                      # [1, T_l, T]
+  if segment_ids is not None:
+    segg = all_gather_sequence(segment_ids, axis_name)
+    mask = mask & (segment_ids[:, :, None] == segg[:, None, :])
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kg.astype(jnp.float32),
+                      precision="highest") * scale
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, vg.astype(jnp.float32), precision="highest")
+
+
+
+
+def maybe_context_parallel(kda_fn: Callable) -> Callable:
+  """`kda_fn` itself, or — when the active mesh (`sharding.activate`) has context > 1 — a
+  function with the same signature that runs it context-parallel over global arrays.
+
+  The layers obtain their chunked KDA through `k3jax.layers.backend.kda_chunked_fn`, which
+  wraps it here; the decision is taken when the model is traced.
+  """
+  mesh = sharding.active_mesh()
+  if sharding.axis_size(mesh, CONTEXT) <= 1:
+    return kda_fn
+
+  def run(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=64,
+          segment_ids=None):
+    if scale is None:
+      scale = k.shape[-1] ** -0.5
+    if q.shape[1] % sharding.axis_size(mesh, CONTEXT):
+      raise ValueError(f"q: sequence length {q.shape[1]} is not divisible by the context axis "
+                       f"size {sharding.axis_size(mesh, CONTEXT)}")
+    return kda_context_parallel_sharded(
+        mesh, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        chunk_size=chunk_size, segment_ids=segment_ids, kda_fn=kda_fn)
+
+  return run
+
+
+__all__ = [
+    "from_previous_shard", "kda_context_parallel", "kda_context_parallel_sharded",
+    "causal_conv_context_parallel", "all_gather_sequence", "mla_attention_context_parallel",
+    "maybe_context_parallel",
+]

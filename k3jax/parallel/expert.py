@@ -1,0 +1,193 @@
+"""Expert parallelism: routed experts sharded over the mesh axis `expert` (spec §6, §7).
+
+Inside `jax.shard_map`, every device holds its own tokens (batch over data/fsdp/expert, length
+over context) and E/ep experts. With **static shapes only** (XLA:CPU has no ragged all-to-all):
+
+  1. each device sorts its (token, slot) pairs by expert into a capacity-padded buffer
+     [E, C, D] — C = `capacity(local tokens, k, E, capacity_factor)` rows per expert and
+     source device (like MoonEP's fixed token counts; `None` = dropless: C = local tokens);
+  2. `all_to_all` over `expert` sends rows of expert e to the device holding e:
+     [ep, E/ep, C, D] (destination-major) → [ep, E/ep, C, D] (source-major);
+  3. the local experts run as batched dense einsums on [E/ep, ep·C, D];
+  4. the reverse `all_to_all` brings results home, where they are combined in fp32.
+
+Pairs over capacity are dropped (rank inside an expert counted per source device, token-major)
+and counted: `dropped` is summed over every token axis. The shared experts and W_down/W_up never
+enter here: they are token-local and run data-parallel outside. `psum_histogram` sums the
+Quantile Balancing margin histograms of all token shards with one integer all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax import sharding
+from k3jax.ops import moe as moe_ops
+
+Array = jax.Array
+EXPERT = "expert"
+# Every mesh axis that splits tokens (the sums of `dropped` and of the QB histogram run over them).
+TOKEN_AXES = (*sharding.BATCH_AXES, "context")
+
+
+def _dispatch(x: Array, indices: Array, num_experts: int, cap: int):
+  """[N, D] tokens → [E, C, D] capacity-padded buffer; also the per-pair slot and keep mask."""
+  n, _ = x.shape
+  k = indices.shape[1]
+  s = moe_ops.sort_pairs(indices, num_experts)
+  r = jnp.arange(cap, dtype=jnp.int32)
+  valid = r[None, :] < s["group_sizes"][:, None]                    # [E, C]
+  row = jnp.where(valid, s["group_starts"][:, None] + r[None, :], 0)
+  buf = jnp.where(valid[..., None], x[s["token"][row]], jnp.zeros((), x.dtype))
+  # Rank of every original pair inside its expert (token-major): kept iff < C.
+  inv = jnp.zeros((n * k,), jnp.int32).at[s["order"]].set(jnp.arange(n * k, dtype=jnp.int32))
+  rank = s["rank"][inv]
+  keep = rank < cap
+  slot = jnp.where(keep, indices.reshape(-1) * cap + rank, 0)
+  return buf, slot, keep
+
+
+def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w2: Array,
+                     *, num_experts: int, activation: str = "situ", beta1: float = 4.0,
+                     beta2: float = 25.0, capacity_factor: float | None = None,
+                     capacity: int | None = None,
+                     axis_name: str = EXPERT) -> tuple[Array, Array]:
+  """The expert-parallel routed MLP on one device's tokens; call inside shard_map.
+
+  Args:
+    x: [N, D] local tokens (the latent z); weights [N, k] fp32; indices [N, k] global expert
+      ids in [0, num_experts).
+    w1, w3: [E/ep, D, F]; w2: [E/ep, F, D]: this device's experts (experts e·E/ep … on shard e).
+    capacity_factor: rows per (source device, expert) = ceil(cf · N · k / E); None = dropless.
+    capacity: explicit rows per (source device, expert), overriding `capacity_factor`.
+  Returns:
+    y [N, D] in x.dtype (Σ_j weights_ij · E_{indices_ij}(x_i), dropped pairs contribute 0),
+    dropped: int32 pairs over capacity on this device (not yet summed over devices).
+  """
+  n, d = x.shape
+  k = indices.shape[1]
+  ep = jax.lax.axis_size(axis_name)
+  e_local = w1.shape[0]
+  if e_local * ep != num_experts:
+    raise ValueError(f"w1: expected {num_experts}/{ep} = {num_experts // max(ep, 1)} local "
+                     f"experts, found {e_local}")
+  cap = (moe_ops.capacity(n, k, num_experts, capacity_factor) if capacity is None
+         else max(1, min(n, capacity)))
+  cdt = x.dtype
+  act = (lambda a, b: moe_ops.situ_glu(a, b, beta1, beta2)) if activation == "situ" else (
+      moe_ops.swiglu)
+  buf, slot, keep = _dispatch(x, indices.astype(jnp.int32), num_experts, cap)
+  # [E, C, D] = [ep (destination), E/ep, C, D] → all_to_all → [ep (source), E/ep, C, D].
+  buf = buf.reshape(ep, e_local, cap, d)
+  buf = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)
+  rows = buf.transpose(1, 0, 2, 3).reshape(e_local, ep * cap, d)
+  h = act(jnp.einsum("ecd,edf->ecf", rows, w1.astype(cdt)),
+          jnp.einsum("ecd,edf->ecf", rows, w3.astype(cdt)))
+  out = jnp.einsum("ecf,efd->ecd", h.astype(cdt), w2.astype(cdt))
+  out = out.reshape(e_local, ep, cap, d).transpose(1, 0, 2, 3)
+  out = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)    # back: [ep (dest) …] = [E, C, D]
+  out = out.reshape(num_experts * cap, d)
+  contrib = out[slot].astype(jnp.float32).reshape(n, k, d)
+  wk = jnp.where(keep.reshape(n, k), weights.astype(jnp.float32), 0.0)
+  y = jnp.einsum("nk,nkd->nd", wk, contrib)
+  return y.astype(cdt), jnp.sum(~keep).astype(jnp.int32)
+
+
+def _token_spec(ndim_lead: int, mesh) -> P:
+  """[B, T, ...] leading dims → (batch axes, context); [N, ...] → all token axes on N."""
+  axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
+  if ndim_lead == 2:
+    return P(tuple(a for a in sharding.BATCH_AXES if a in mesh.shape), "context")
+  return P(axes)
+
+
+def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3: Array,
+                  w2: Array, *, activation: str = "situ", beta1: float = 4.0,
+                  beta2: float = 25.0, capacity_factor: float | None = None,
+                  capacity: int | None = None) -> tuple[Array, Array]:
+  """`ops.moe.expert_mlp` with experts sharded over `expert` (global arrays in and out).
+
+  x: [B, T, D] (batch over data/fsdp/expert, T over context) or [N, D] (N over all of them);
+  weights/indices: the same leading dims + [k]; w1, w3 [E, D, F], w2 [E, F, D] (E over expert).
+  `capacity` (rows per expert and source device) overrides `capacity_factor`.
+  Returns (y like x, dropped: int32 total over all devices). With `capacity_factor=None` (or
+  large enough) it equals the unsharded `expert_mlp` up to float summation order.
+  """
+  num_experts = w1.shape[0]
+  ep = sharding.axis_size(mesh, EXPERT)
+  if num_experts % ep:
+    raise ValueError(f"w1: {num_experts} experts are not divisible by the expert axis size {ep}")
+  lead = x.ndim - 1
+  if lead not in (1, 2):
+    raise ValueError(f"x: expected [N, D] or [B, T, D], found shape {x.shape}")
+  tok = _token_spec(lead, mesh)
+  wspec = P(EXPERT)
+  sum_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
+
+  def body(x_, w_, i_, w1_, w3_, w2_):
+    shp = x_.shape
+    y, dropped = expert_mlp_local(
+        x_.reshape(-1, shp[-1]), w_.reshape(-1, w_.shape[-1]), i_.reshape(-1, i_.shape[-1]),
+        w1_, w3_, w2_, num_experts=num_experts, activation=activation, beta1=beta1,
+        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity)
+    return y.reshape(shp), jax.lax.psum(dropped, sum_axes)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
+                     out_specs=(tok, P()), check_vma=False)
+  return fn(x, weights, indices, w1, w3, w2)
+
+
+def psum_histogram(hist: Array, axes: Sequence[str] = TOKEN_AXES) -> Array:
+  """Sum per-device QB margin histograms [E, bins] over the token axes: one int32 all-reduce.
+
+  Call inside shard_map whose manual axes include `axes`.
+  """
+  return jax.lax.psum(hist.astype(jnp.int32), tuple(axes))
+
+
+def sharded_histogram(mesh, hist_fn, *args: Array) -> Array:
+  """Run `hist_fn(*local_args) -> [E, bins] int` on every device's tokens ([B, T, ...] args
+  sharded over batch axes and context) and sum the counts with one integer all-reduce."""
+  tok = _token_spec(2, mesh)
+  axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
+  fn = jax.shard_map(lambda *a: psum_histogram(hist_fn(*a), axes), mesh=mesh,
+                     in_specs=tuple(tok for _ in args), out_specs=P(), check_vma=False)
+  return fn(*args)
+
+
+def maybe_expert_parallel(expert_mlp_fn: Callable) -> Callable:
+  """`expert_mlp_fn` itself, or — when the active mesh (`sharding.activate`) has expert > 1 —
+  a function with `ops.moe.expert_mlp`'s signature that runs it expert-parallel.
+
+  The global `capacity` (rows per expert for all N tokens, or None = dropless) becomes
+  ceil(capacity · N_local / N) rows per expert and source device; `method` is ignored (the
+  local experts run as batched dense einsums over the static [E/ep, ep·C, D] buffer).
+  """
+  mesh = sharding.active_mesh()
+  ep = sharding.axis_size(mesh, EXPERT)
+  if ep <= 1:
+    return expert_mlp_fn
+
+  def run(x, weights, indices, w1, w3, w2, *, activation="situ", beta1=4.0, beta2=25.0,
+          capacity=None, method="sort"):
+    del method
+    if w1.shape[0] % ep:
+      raise ValueError(f"w1: {w1.shape[0]} experts are not divisible by the expert axis "
+                       f"size {ep}")
+    shards = sharding.axis_size(mesh, TOKEN_AXES)
+    if x.shape[0] % shards:
+      raise ValueError(f"x: {x.shape[0]} tokens are not divisible by the {shards} token "
+                       "shards (data·fsdp·expert·context)")
+    local_cap = None if capacity is None else -(-capacity // shards)
+    return expert_mlp_ep(mesh, x, weights, indices, w1, w3, w2, activation=activation,
+                         beta1=beta1, beta2=beta2, capacity=local_cap)
+
+  return run
+
+
+__all__ = ["TOKEN_AXES", "expert_mlp_local", "expert_mlp_ep", "psum_histogram",
+           "sharded_histogram", "maybe_expert_parallel"]

@@ -1,0 +1,193 @@
+"""OCP microscaling (MX) codecs: MXFP4 (E2M1 elements) and MXFP8 (E4M3 elements).
+
+A block of 32 consecutive values along the **last** axis shares one E8M0 scale byte
+(value 2^(byte − 127)); each value is stored as a small float code. MXFP4 packs two 4-bit
+codes per byte, **low nibble first** (element 2i in bits 0–3, element 2i+1 in bits 4–7), which
+is the layout of Kimi K3's published experts (`weight_packed` [out, in/2] + `weight_scale`
+[out, in/32], PyTorch [out, in] weights: the blocks run along the input axis). K3_SPEC.md §9.
+
+Encoding follows the OCP MX v1.0 rule: shared exponent X = floor(log2(max|v|)) − emax_elem
+(emax_elem = 2 for E2M1, 8 for E4M3), elements = round-to-nearest-even(v / 2^X), saturated to
+the element format's largest finite value (6 for E2M1, 448 for E4M3). An all-zero block gets
+scale byte 0. Functions accept numpy or jax arrays and return the same kind, so the
+checkpoint converter (numpy, streaming) and quantisation-aware training (jnp) share one codec.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+BLOCK = 32          # values per shared scale
+SCALE_BIAS = 127    # E8M0: value 2^(byte - 127); byte 255 is NaN
+
+
+class _Fmt(NamedTuple):
+  name: str
+  exp_bits: int
+  man_bits: int
+  bias: int
+  max_value: float   # largest finite magnitude (saturation point)
+  emax: int          # exponent of the largest normal binade (floor(log2(max_value)))
+
+
+E2M1 = _Fmt("e2m1", 2, 1, 1, 6.0, 2)
+E4M3 = _Fmt("e4m3", 4, 3, 7, 448.0, 8)
+
+
+def _xp(x):
+  """numpy for numpy inputs, jax.numpy otherwise (jax is imported lazily)."""
+  if isinstance(x, np.ndarray) or np.isscalar(x):
+    return np
+  import jax.numpy as jnp
+  return jnp
+
+
+def _decode_table(fmt: _Fmt) -> np.ndarray:
+  """float32 value of every code 0 .. 2^(1+e+m) − 1 (sign in the top bit)."""
+  n = 1 << (1 + fmt.exp_bits + fmt.man_bits)
+  codes = np.arange(n)
+  sign = np.where(codes >> (fmt.exp_bits + fmt.man_bits), -1.0, 1.0)
+  e = (codes >> fmt.man_bits) & ((1 << fmt.exp_bits) - 1)
+  m = codes & ((1 << fmt.man_bits) - 1)
+  emin = 1 - fmt.bias
+  mag = np.where(e == 0, m * 2.0 ** (emin - fmt.man_bits),
+                 (1 + m / 2 ** fmt.man_bits) * 2.0 ** (e - fmt.bias))
+  table = (sign * mag).astype(np.float32)
+  if fmt is E4M3:  # E4M3 "fn": S.1111.111 is NaN, there is no infinity
+    table[0x7F] = table[0xFF] = np.nan
+  return table
+
+
+_E2M1_TABLE = _decode_table(E2M1)
+_E4M3_TABLE = _decode_table(E4M3)
+
+
+def _check_last_axis(x, name: str):
+  if x.ndim < 1 or x.shape[-1] % BLOCK:
+    raise ValueError(f"{name}: last axis must be a multiple of {BLOCK}, found shape "
+                     f"{tuple(x.shape)}")
+
+
+def _round_to_format(y, fmt: _Fmt):
+  """Round float32 `y` to the nearest value of `fmt` (ties to even), saturating at max.
+
+  Returns (magnitude, sign_bit): the rounded |y| as float32 and 1 where y is negative.
+  """
+  xp = _xp(y)
+  a = xp.abs(y)
+  # Exponent of the binade of |y|, never below the subnormal binade: frexp gives
+  # |y| = f · 2^e with f in [0.5, 1), so floor(log2|y|) = e − 1 (exact, no log rounding).
+  _, e = xp.frexp(a)
+  emin = 1 - fmt.bias
+  e = xp.maximum(e - 1, emin)
+  quantum = xp.ldexp(xp.ones_like(a), e - fmt.man_bits)
+  # a / quantum and the product back are exact (power-of-two scaling); rint rounds half to even.
+  mag = xp.minimum(xp.rint(a / quantum) * quantum, fmt.max_value).astype(xp.float32)
+  sign = (y < 0) | ((y == 0) & xp.signbit(y))
+  return mag, sign
+
+
+def _encode(mag, sign, fmt: _Fmt):
+  """Bit codes (uint8) of already-rounded magnitudes."""
+  xp = _xp(mag)
+  _, e = xp.frexp(mag)
+  e = e - 1
+  emin = 1 - fmt.bias
+  sub = mag < 2.0 ** emin
+  sub_code = mag * 2.0 ** (fmt.man_bits - emin)
+  e_safe = xp.maximum(e, emin)
+  man = (xp.ldexp(mag, -e_safe) - 1.0) * (1 << fmt.man_bits)
+  norm_code = (e_safe + fmt.bias) * (1 << fmt.man_bits) + man
+  code = xp.where(sub, sub_code, norm_code).astype(xp.uint8)
+  return code | (sign.astype(xp.uint8) << (fmt.exp_bits + fmt.man_bits))
+
+
+def _shared_scale(blocks, fmt: _Fmt):
+  """E8M0 byte per block (blocks [..., nb, 32]) and its exponent X as int32."""
+  xp = _xp(blocks)
+  amax = xp.max(xp.abs(blocks), axis=-1)
+  _, e = xp.frexp(amax)
+  x = xp.where(amax > 0, e - 1 - fmt.emax, -SCALE_BIAS)
+  x = xp.clip(x, -SCALE_BIAS, SCALE_BIAS)
+  return (x + SCALE_BIAS).astype(xp.uint8), x.astype(xp.int32)
+
+
+def _quantize(w, fmt: _Fmt):
+  """(codes uint8 [..., n], scale bytes uint8 [..., n/32]) of w along its last axis."""
+  _check_last_axis(w, "w")
+  xp = _xp(w)
+  w = w.astype(xp.float32)
+  if xp is np and not np.all(np.isfinite(w)):
+    raise ValueError(f"w: MX {fmt.name} encoding needs finite values")
+  blocks = w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+  scale_byte, x = _shared_scale(blocks, fmt)
+  y = xp.ldexp(blocks, -x[..., None])   # exact division by 2^X
+  mag, sign = _round_to_format(y, fmt)
+  codes = _encode(mag, sign, fmt)
+  return codes.reshape(w.shape), scale_byte
+
+
+def _dequantize(codes, scales, table: np.ndarray, dtype):
+  xp = _xp(codes)
+  vals = xp.asarray(table)[codes.astype(xp.int32)]
+  if scales.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK):
+    raise ValueError(f"scales: expected shape {(*codes.shape[:-1], codes.shape[-1] // BLOCK)} "
+                     f"for {codes.shape[-1]} values, found {tuple(scales.shape)}")
+  blocks = vals.reshape(*codes.shape[:-1], codes.shape[-1] // BLOCK, BLOCK)
+  exps = scales.astype(xp.int32) - SCALE_BIAS
+  out = xp.ldexp(blocks, exps[..., None])
+  # E8M0 byte 255 is NaN.
+  out = xp.where((scales == 255)[..., None], xp.nan, out)
+  return out.reshape(codes.shape).astype(dtype)
+
+
+# ---------------------------------------------------------------------- MXFP4
+def mxfp4_pack(w):
+  """Encode w [..., n] (n a multiple of 32) as MXFP4.
+
+  Returns (packed uint8 [..., n/2], scales uint8 [..., n/32]); two E2M1 codes per byte,
+  element 2i in the low nibble.
+  """
+  codes, scales = _quantize(w, E2M1)
+  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+  return pairs[..., 0] | (pairs[..., 1] << 4), scales
+
+
+def mxfp4_unpack(packed, scales, dtype=np.float32):
+  """Decode MXFP4: packed uint8 [..., n/2], scales uint8 [..., n/32] → [..., n] of `dtype`."""
+  xp = _xp(packed)
+  if packed.dtype != xp.uint8 or scales.dtype != xp.uint8:
+    raise ValueError(f"packed/scales: expected uint8, found {packed.dtype}/{scales.dtype}")
+  lo, hi = packed & 0xF, packed >> 4
+  codes = xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+  _check_last_axis(codes, "packed (unpacked length)")
+  return _dequantize(codes, scales, _E2M1_TABLE, dtype)
+
+
+# ---------------------------------------------------------------------- MXFP8
+def mxfp8_pack(w):
+  """Encode w [..., n] as MXFP8 (E4M3): (codes uint8 [..., n], scales uint8 [..., n/32])."""
+  return _quantize(w, E4M3)
+
+
+def mxfp8_unpack(codes, scales, dtype=np.float32):
+  """Decode MXFP8: codes uint8 [..., n], scales uint8 [..., n/32] → [..., n] of `dtype`."""
+  xp = _xp(codes)
+  if codes.dtype != xp.uint8 or scales.dtype != xp.uint8:
+    raise ValueError(f"codes/scales: expected uint8, found {codes.dtype}/{scales.dtype}")
+  _check_last_axis(codes, "codes")
+  return _dequantize(codes, scales, _E4M3_TABLE, dtype)
+
+
+def mx_round(w, fmt: str = "mxfp4"):
+  """Quantise-dequantise (fake quant) along the last axis: the values an MX round trip gives."""
+  if fmt == "mxfp4":
+    return mxfp4_unpack(*mxfp4_pack(w), dtype=w.dtype)
+  if fmt == "mxfp8":
+    return mxfp8_unpack(*mxfp8_pack(w), dtype=w.dtype)
+  raise ValueError(f"fmt: expected 'mxfp4' or 'mxfp8', found {fmt!r}")
+
+
+__all__ = ["BLOCK", "mxfp4_pack", "mxfp4_unpack", "mxfp8_pack", "mxfp8_unpack", "mx_round"]

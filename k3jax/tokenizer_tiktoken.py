@@ -1,0 +1,143 @@
+"""Reader for the `tiktoken.model` vocabulary that ships with Kimi checkpoints (no `tiktoken`).
+
+File format: one line per token, "<base64 of the token's bytes> <rank>"; the rank is the token id
+and the BPE merge priority (lower merges first). Special tokens (ids after the base vocabulary,
+e.g. `[BOS]`, `<|im_end|>`) are read from `tokenizer_config.json` (`added_tokens_decoder`) next to
+the file when it exists; ids without an entry decode to nothing (reserved slots).
+
+Encoding is byte-level BPE as tiktoken does it: the text is split into pieces with the Kimi
+pre-tokenisation regex, each piece's UTF-8 bytes start as single bytes and the adjacent pair whose
+concatenation has the lowest rank is merged until no pair is in the vocabulary. The regex uses
+Unicode classes and set intersection (`\\p{Han}`, `&&`), which need the third-party `regex`
+module: `encode` raises a clear error without it; `decode` needs nothing.
+Everything is read from a local directory; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import os
+from typing import Iterable
+
+# Kimi K2/K3 pre-tokenisation pattern (tokenization_kimi.py), joined with "|".
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+def read_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+  """{token bytes: rank} from a tiktoken-format file; ValueError naming the bad line."""
+  ranks: dict[bytes, int] = {}
+  with open(path, "rb") as f:
+    for n, line in enumerate(f, 1):
+      line = line.strip()
+      if not line:
+        continue
+      parts = line.split()
+      if len(parts) != 2:
+        raise ValueError(f"{path}:{n}: expected '<base64> <rank>', found {line[:60]!r}")
+      try:
+        ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+      except (ValueError, base64.binascii.Error) as e:
+        raise ValueError(f"{path}:{n}: bad entry {line[:60]!r}: {e}") from None
+  return ranks
+
+
+class TiktokenTokenizer:
+  """Byte-level BPE tokenizer over a tiktoken vocabulary.
+
+  `TiktokenTokenizer.from_dir(checkpoint_dir)` reads `tiktoken.model` (+ specials from
+  `tokenizer_config.json`). encode(text) → list[int]; decode(ids) → str.
+  """
+
+  def __init__(self, ranks: dict[bytes, int], special_tokens: dict[str, int] | None = None,
+               pattern: str = KIMI_PATTERN):
+    self.ranks = ranks
+    self.special_tokens = dict(special_tokens or {})
+    self._decoder = {r: b for b, r in ranks.items()}
+    self._special_decoder = {i: s for s, i in self.special_tokens.items()}
+    self.pattern = pattern
+    self.vocab_size = max([*self._decoder, *self._special_decoder, -1]) + 1
+    self.bos_id = self.special_tokens.get("[BOS]")
+    self.eos_id = self.special_tokens.get("[EOS]", self.special_tokens.get("<|im_end|>"))
+
+  @classmethod
+  def from_dir(cls, path: str | os.PathLike) -> "TiktokenTokenizer":
+    path = os.fspath(path)
+    model = path if os.path.isfile(path) else os.path.join(path, "tiktoken.model")
+    if not os.path.exists(model):
+      raise ValueError(f"tokenizer: no tiktoken.model at {model}")
+    specials = {}
+    cfg = os.path.join(os.path.dirname(model), "tokenizer_config.json")
+    if os.path.exists(cfg):
+      with open(cfg) as f:
+        added = json.load(f).get("added_tokens_decoder", {})
+      specials = {v["content"]: int(k) for k, v in added.items()}
+    return cls(read_ranks(model), specials)
+
+  # ------------------------------------------------------------------ encoding
+  @functools.cached_property
+  def _regex(self):
+    try:
+      import regex
+    except ImportError:
+      raise ValueError("tokenizer: encoding with the Kimi pattern needs the `regex` module "
+                       "(Unicode classes); decoding works without it") from None
+    return regex.compile(self.pattern, flags=regex.V1)
+
+  def _bpe(self, piece: bytes) -> list[int]:
+    if piece in self.ranks:
+      return [self.ranks[piece]]
+    parts = [piece[i:i + 1] for i in range(len(piece))]
+    while len(parts) > 1:
+      best, best_rank = -1, None
+      for i in range(len(parts) - 1):
+        r = self.ranks.get(parts[i] + parts[i + 1])
+        if r is not None and (best_rank is None or r < best_rank):
+          best, best_rank = i, r
+      if best < 0:
+        break
+      parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    out = []
+    for p in parts:
+      if p not in self.ranks:
+        raise ValueError(f"tokenizer: byte {p!r} is not in the vocabulary (not byte-complete)")
+      out.append(self.ranks[p])
+    return out
+
+  def encode(self, text: str, bos: bool = False) -> list[int]:
+    """Text → ids (special-token strings in the text are encoded as plain text)."""
+    ids = [self.bos_id] if bos and self.bos_id is not None else []
+    for m in self._regex.finditer(text):
+      ids.extend(self._bpe(m.group().encode("utf-8")))
+    return ids
+
+  # ------------------------------------------------------------------ decoding
+  def decode_bytes(self, ids: Iterable[int], specials: bool = False) -> bytes:
+    out = []
+    for i in ids:
+      i = int(i)
+      if i in self._decoder:
+        out.append(self._decoder[i])
+      elif i in self._special_decoder:
+        if specials:
+          out.append(self._special_decoder[i].encode())
+      elif not 0 <= i < self.vocab_size:
+        raise ValueError(f"ids: token id {i} outside [0, vocab_size={self.vocab_size})")
+    return b"".join(out)
+
+  def decode(self, ids: Iterable[int], specials: bool = False) -> str:
+    """Ids → text (invalid UTF-8 from partial multi-byte tokens becomes U+FFFD)."""
+    return self.decode_bytes(ids, specials).decode("utf-8", errors="replace")
+
+
+__all__ = ["TiktokenTokenizer", "read_ranks", "KIMI_PATTERN"]

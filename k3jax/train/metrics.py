@@ -1,0 +1,191 @@
+"""Metrics: FLOP model, matmul peak, MFU, router statistics, JSONL + TensorBoard writer.
+
+FLOPs per trained token (forward + backward = 3 × forward; a matmul is 2 FLOPs per MAC):
+  6 · N_active
+  + MLA:  6 · L_mla · H · (d_qk + d_v) · T/2       (scores and values over the causal prefix,
+                                                    average context T/2)
+  + KDA:  6 · L_kda · H · (2·dk·dv + C·(dk + dv)/2) (state read q·S and update kᵀv per token,
+                                                    plus the intra-chunk causal part, chunk C)
+N_active counts every parameter a token multiplies: all kernels except the embedding lookup
+(lm_head included, once even if tied), and of the routed experts only k/E of them. The MTP
+layer (run in training) is included. MFU = FLOPs/token · tokens/s ÷ peak, where the peak is
+measured at start-up in the same process: the best of a few jitted fp32 matmuls (`matmul_peak`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import MLA, ModelConfig
+
+
+# ---------------------------------------------------------------------- FLOPs and peak
+def _leaf_items(params, prefix=""):
+  if isinstance(params, dict) or hasattr(params, "items"):
+    for k, v in params.items():
+      yield from _leaf_items(v, f"{prefix}/{k}" if prefix else str(k))
+  else:
+    yield prefix, params
+
+
+def active_params(config: ModelConfig, params: dict, with_mtp: bool = True) -> float:
+  """Parameters multiplied per token (see module docstring); `params` may be abstract."""
+  total = 0.0
+  frac = config.experts_per_token / max(1, config.num_experts)
+  for path, x in _leaf_items(params):
+    parts = path.split("/")
+    if "embed_tokens" in parts:
+      if config.tie_word_embeddings:
+        total += float(np.prod(x.shape))   # used as the head
+      continue
+    if not with_mtp and "mtp" in parts:
+      continue
+    n = float(np.prod(x.shape))
+    total += n * frac if "experts" in parts else n
+  return total
+
+
+def flops_per_token(config: ModelConfig, params: dict, seq_len: int,
+                    with_mtp: bool = True) -> float:
+  """Training FLOPs per token (module docstring)."""
+  n_mla = sum(1 for m, _ in config.layer_types() if m == MLA) + (
+      config.num_mtp_layers if with_mtp else 0)
+  n_kda = config.num_layers - sum(1 for m, _ in config.layer_types() if m == MLA)
+  mla = 6 * n_mla * config.num_heads * (config.qk_head_dim + config.v_head_dim) * seq_len / 2
+  dk = dv = config.kda_head_dim
+  c = min(config.kda_chunk_size, seq_len)
+  kda = 6 * n_kda * config.kda_num_heads * (2 * dk * dv + c * (dk + dv) / 2)
+  return 6 * active_params(config, params, with_mtp) + mla + kda
+
+
+def matmul_peak(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
+  """Measured matmul FLOP/s of this process's default device: best of `repeats` jitted
+  [n,n]@[n,n] products (after one compile-and-warm-up run)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+  b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, b).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2.0 * n ** 3 / best
+
+
+# ---------------------------------------------------------------------- router statistics
+def load_stats(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(coefficient of variation, number of idle experts) of loads [..., E] (per row)."""
+  load = np.asarray(load, np.float64)
+  mean = load.mean(-1)
+  cv = load.std(-1) / np.maximum(mean, 1e-12)
+  return cv, (load == 0).sum(-1)
+
+
+def router_metrics(flat: dict[str, Any]) -> dict[str, float]:
+  """Per-layer scalars from `flat_stats`: expert-load CV / idle experts (`moe/<layer>/...`),
+  dropped tokens, and the max attention logit (overall and per MLA layer)."""
+  out: dict[str, float] = {}
+  max_logits = []
+  for key, v in sorted(flat.items()):
+    module, name = key.rsplit("/", 1)
+    v = np.asarray(v)
+    if name == "load":
+      cv, idle = load_stats(v)
+      rows = [(module, cv, idle)] if v.ndim == 1 else [
+          (f"{module}_{g}", cv[g], idle[g]) for g in range(v.shape[0])]
+      for m, c, i in rows:
+        out[f"moe/{m}/load_cv"] = float(c)
+        out[f"moe/{m}/idle_experts"] = int(i)
+    elif name == "dropped":
+      out[f"moe/{module}/dropped"] = int(v.sum())
+    elif name == "max_logit":
+      out[f"attn/{module}/max_logit"] = float(v.max())
+      max_logits.append(float(v.max()))
+  if max_logits:
+    out["max_attn_logit"] = max(max_logits)
+  cvs = [v for k, v in out.items() if k.endswith("/load_cv")]
+  if cvs:
+    out["load_cv_mean"] = float(np.mean(cvs))
+    out["idle_experts_total"] = int(sum(v for k, v in out.items() if k.endswith("/idle_experts")))
+  return out
+
+
+def load_matrix(flat: dict[str, Any]) -> tuple[list[str], np.ndarray]:
+  """(layer names, loads [layers, E]) of every MoE layer, for the expert-load heatmap."""
+  names, rows = [], []
+  for key, v in sorted(flat.items()):
+    module, name = key.rsplit("/", 1)
+    if name != "load":
+      continue
+    v = np.asarray(v)
+    if v.ndim == 1:
+      names.append(module)
+      rows.append(v)
+    else:
+      for g in range(v.shape[0]):
+        names.append(f"{module}_{g}")
+        rows.append(v[g])
+  return names, np.stack(rows) if rows else np.zeros((0, 0))
+
+
+# ---------------------------------------------------------------------- writer
+class MetricsWriter:
+  """Appends one JSON object per logged step to DIR/metrics.jsonl and mirrors the scalars to
+  TensorBoard event files in DIR (tensorboardX)."""
+
+  def __init__(self, workdir: str, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(self.path) and os.path.getsize(self.path):
+      with open(self.path, "rb+") as f:     # a run killed mid-line: start on a fresh line
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+          f.write(b"\n")
+    self.tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self.tb = SummaryWriter(logdir=workdir)
+
+  def write(self, step: int, scalars: dict[str, Any], extra: dict | None = None) -> None:
+    rec = {"step": int(step), **{k: _py(v) for k, v in scalars.items()}, **(extra or {})}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(rec) + "\n")
+      f.flush()
+    if self.tb is not None:
+      for k, v in scalars.items():
+        v = _py(v)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+          self.tb.add_scalar(k, v, int(step))
+
+  def close(self) -> None:
+    if self.tb is not None:
+      self.tb.flush()
+      self.tb.close()
+
+
+def _py(v):
+  if isinstance(v, (np.generic, np.ndarray)) or hasattr(v, "dtype"):
+    v = np.asarray(v)
+    return v.item() if v.ndim == 0 else v.tolist()
+  return v
+
+
+def read_metrics(path: str) -> list[dict]:
+  """The records of a metrics.jsonl (a torn last line from a killed run is ignored)."""
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return out

@@ -1,0 +1,218 @@
+"""The optimizer of spec §8: Per-Head Muon + AdamW, QK-Clip, and where each parameter goes.
+
+Parameters are split by Flax path (`param_label`):
+  "adam"    embeddings, lm_head, norm weights, vectors (A_log, dt_bias, AttnRes pseudo-queries
+            `proj`), conv kernels: AdamW (β1 0.9, β2 0.95), weight decay on embedding/lm_head only.
+  "muon"    every other kernel (2-D or 3-D once a scanned layer axis is removed).
+  "balance" the router bias (`balance` collection): no gradient; Quantile Balancing sets it
+            (k3jax.train.balance).
+
+Per-Head Muon (`scale_by_per_head_muon`): Nesterov momentum (0.95), then Newton–Schulz
+orthogonalisation of each *block* separately, then scale 0.2·√max(fan_in, fan_out) of the block
+(so the update RMS matches AdamW's and one learning rate serves both). Blocks (`muon_blocks`):
+  [in, H, hd]  q/k/v/g projections, f_b, g_b, q_b_proj, kv_b_proj: one [in, hd] matrix per head
+  [H, hd, out] o_proj: one [hd, out] matrix per head
+  [E, in, out] experts/w1,w2,w3: one matrix per expert
+  [in, out]    any other kernel: the whole matrix
+and a scanned parameter (`body/...`) adds its leading [num_groups] axis to the blocks, so every
+layer is orthogonalised on its own. Decoupled weight decay 0.1 and the learning rate follow.
+We write Newton–Schulz ourselves (20 lines) rather than `optax.contrib.muon` so the block view
+is explicit and testable; the maths is the same.
+
+QK-Clip (`qk_clip`): after the update, for an MLA head h with max logit L_h > τ, γ = τ/L_h:
+  q_b_proj[..., h, :nope] *= √γ   (query nope part)    kv_b_proj[..., h, :nope] *= √γ (key nope)
+  q_b_proj[..., h, nope:] *= γ    (query rope part: it multiplies the shared key part k_r of
+                                   kv_a_proj_with_mqa, which is *not* clipped, spec §8)
+Every logit of head h, q_n·k_n + q_r·k_r, is then multiplied by exactly γ, so its max is τ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+ADAM_NAMES = ("A_log", "dt_bias", "proj", "weight")   # leaf names that are vectors/norms
+ADAM_MODULES = ("embed_tokens", "lm_head")
+
+
+def path_str(path) -> str:
+  """A jax key path → "a/b/c" (dict keys, attributes and sequence indices)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _is_scanned(path: str) -> bool:
+  return path.startswith("body/") or "/body/" in path
+
+
+def param_label(path: str, shape) -> str:
+  """"adam" | "muon" | "balance" for a variable at Flax path `path` (see module doc)."""
+  parts = path.split("/")
+  if parts[0] == "balance":
+    return "balance"
+  if parts[0] == "params":
+    parts = parts[1:]
+  name = parts[-1]
+  ndim = len(shape) - _is_scanned("/".join(parts))
+  if (any(m in parts for m in ADAM_MODULES) or name in ADAM_NAMES
+      or any("conv" in p for p in parts) or ndim < 2):
+    return "adam"
+  return "muon"
+
+
+def muon_blocks(path: str, shape) -> tuple[tuple[int, ...], int, int]:
+  """(batch axes, fan-in axis, fan-out axis) of a Muon parameter (see module doc)."""
+  s = 1 if _is_scanned(path) else 0
+  lead = tuple(range(s))
+  nd = len(shape) - s
+  parts = path.split("/")
+  if nd == 2:
+    return lead, s, s + 1
+  if nd == 3:
+    if "experts" in parts or "o_proj" in parts:   # [E, in, out] / [H, hd, out]
+      return lead + (s,), s + 1, s + 2
+    return lead + (s + 1,), s, s + 2               # [in, H, hd]
+  raise ValueError(f"Muon parameter {path}: expected 2-D or 3-D (plus a scanned layer axis), "
+                   f"found shape {tuple(shape)}")
+
+
+def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
+  """Approximate U·Vᵀ of G = U·S·Vᵀ for every matrix of g [..., m, n] (fp32, batched)."""
+  a, b, c = NS_COEFFS
+  x = g.astype(jnp.float32)
+  wide = x.shape[-2] <= x.shape[-1]
+  if not wide:                       # iterate on the smaller Gram matrix
+    x = jnp.swapaxes(x, -1, -2)
+  x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+  for _ in range(steps):
+    gram = x @ jnp.swapaxes(x, -1, -2)
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x if wide else jnp.swapaxes(x, -1, -2)
+
+
+def orthogonalize_blocks(g: jax.Array, path: str, steps: int = 5,
+                         scale: float = 0.2) -> jax.Array:
+  """Newton–Schulz of each block of `g` (per head / expert / layer), times
+  scale·√max(fan_in, fan_out) of the block; same shape as `g`."""
+  batch, fin, fout = muon_blocks(path, g.shape)
+  perm = batch + (fin, fout)
+  inv = tuple(sorted(range(len(perm)), key=perm.__getitem__))
+  blocks = jnp.transpose(g, perm)
+  out = newton_schulz(blocks, steps) * (scale * max(g.shape[fin], g.shape[fout]) ** 0.5)
+  return jnp.transpose(out, inv).astype(g.dtype)
+
+
+class MuonState(NamedTuple):
+  mu: Any
+
+
+def scale_by_per_head_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                           scale: float = 0.2) -> optax.GradientTransformation:
+  """Nesterov momentum + per-block Newton–Schulz + shape scale (no learning rate, no decay).
+
+  Blocks are found from the parameter paths (`muon_blocks`), so apply it to a tree keyed by
+  Flax paths (under optax.multi_transform the masked tree keeps the full paths).
+  """
+
+  def init_fn(params):
+    return MuonState(mu=jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = jax.tree.map(lambda m, g: momentum * m + g, state.mu, updates)
+    direction = (jax.tree.map(lambda m, g: g + momentum * m, mu, updates) if nesterov else mu)
+    out = jax.tree_util.tree_map_with_path(
+        lambda p, d: orthogonalize_blocks(d, path_str(p), ns_steps, scale),
+        direction)
+    return out, MuonState(mu=mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _decay_mask(tree):
+  """AdamW decays only the embedding and lm_head matrices (not norms, vectors, convs)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, _: any(m in path_str(p).split("/") for m in ADAM_MODULES), tree)
+
+
+def make_optimizer(schedule, *, weight_decay: float = 0.1, momentum: float = 0.95,
+                   adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
+                   muon: bool = True, balance_tx: optax.GradientTransformation | None = None,
+                   clip_norm: float = 0.0) -> optax.GradientTransformationExtraArgs:
+  """The optimizer over {"params": ..., "balance": ...} (labels: `param_label`).
+
+  `muon=False` sends the Muon group to AdamW too (a baseline). `balance_tx` updates the router
+  bias (default: left unchanged). Extra args (`stats=`) reach `balance_tx`.
+  """
+  lr = optax.scale_by_learning_rate(schedule)
+  adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps),
+                     optax.add_decayed_weights(weight_decay, mask=_decay_mask), lr)
+  if muon:
+    matrix = optax.chain(scale_by_per_head_muon(momentum),
+                         optax.add_decayed_weights(weight_decay), lr)
+  else:
+    matrix = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps),
+                         optax.add_decayed_weights(weight_decay), lr)
+  transforms = {"adam": adam, "muon": matrix,
+                "balance": balance_tx if balance_tx is not None else optax.set_to_zero()}
+
+  def labels(tree):
+    return jax.tree_util.tree_map_with_path(lambda p, x: param_label(path_str(p), x.shape), tree)
+
+  tx = optax.multi_transform(transforms, labels)
+  if clip_norm and clip_norm > 0:
+    tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+  return optax.with_extra_args_support(tx)
+
+
+# ---------------------------------------------------------------------- QK-Clip
+def qk_clip_factors(max_logit: jax.Array, tau: float) -> jax.Array:
+  """γ = min(1, τ / max_logit) per head (fp32)."""
+  m = jnp.asarray(max_logit, jnp.float32)
+  return jnp.where(m > tau, tau / jnp.maximum(m, 1e-30), 1.0)
+
+
+def _clip_attention(attn: dict, max_logit: jax.Array, tau: float, nope: int) -> dict:
+  """Scale q_b_proj (or q_proj) and kv_b_proj of one MLA module (leading axes allowed)."""
+  gamma = qk_clip_factors(max_logit, tau)          # [..., H]
+  sq = jnp.sqrt(gamma)[..., None, :, None]         # broadcast over [..., in, H, dim]
+  g = gamma[..., None, :, None]
+  attn = dict(attn)
+  qname = "q_b_proj" if "q_b_proj" in attn else "q_proj"
+  q = attn[qname]["kernel"]
+  q = jnp.concatenate([q[..., :nope] * sq, q[..., nope:] * g], axis=-1).astype(q.dtype)
+  attn[qname] = {**attn[qname], "kernel": q}
+  kv = attn["kv_b_proj"]["kernel"]
+  kv = jnp.concatenate([kv[..., :nope] * sq, kv[..., nope:]], axis=-1).astype(kv.dtype)
+  attn["kv_b_proj"] = {**attn["kv_b_proj"], "kernel": kv}
+  return attn
+
+
+def qk_clip(params: dict, max_logits: dict[str, jax.Array], tau: float, nope: int) -> dict:
+  """Apply QK-Clip to every MLA module of `params`.
+
+  max_logits: {"path/to/self_attn": [..., H] max logit} (paths relative to params, as
+  `flat_stats` gives them: "body/layers_3/self_attn", "layers_12/self_attn", ...).
+  """
+  if tau is None or tau <= 0:
+    return params
+
+  def visit(tree, prefix):
+    if not isinstance(tree, dict):
+      return tree
+    if prefix in max_logits and "kv_b_proj" in tree:
+      return _clip_attention(tree, max_logits[prefix], tau, nope)
+    return {k: visit(v, f"{prefix}/{k}" if prefix else k) for k, v in tree.items()}
+
+  return visit(params, "")

@@ -1,0 +1,129 @@
+"""The train step: a pure function of (state, batch) → (state, metrics), ready for jax.jit.
+
+loss = CE(logits, targets; loss_mask) + mtp_weight · CE(mtp_logits, mtp_targets; mtp_mask)
+(token means, fp32). One step: forward with the current router bias (sowing "stats") →
+grads → optimizer update of {"params", "balance"} (Muon/AdamW for params; Quantile Balancing
+sets the bias from this forward's stats, for the next step) → QK-Clip of the MLA heads whose
+max logit exceeded τ. Shardings are the caller's business: jit the returned function with
+`in_shardings`/`out_shardings` (the mesh hook, issue 5); nothing here names a mesh axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from k3jax.config import ModelConfig
+from k3jax.train.balance import flat_stats
+from k3jax.train.optim import qk_clip
+
+LOGGED_STATS = ("load", "max_logit", "dropped")   # small stats returned for metrics
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array        # [] int32: optimizer steps taken
+  params: Any            # float32 masters, plain arrays (unboxed)
+  balance: Any           # router biases ("balance" collection)
+  opt_state: Any
+
+  @property
+  def variables(self) -> dict:
+    return {"params": self.params, "balance": self.balance}
+
+
+def _model(config: ModelConfig):
+  from k3jax.model import K3Model  # the model is a sibling package; import late
+  return K3Model(config)
+
+
+_INIT: dict = {}
+
+
+def init_variables(config: ModelConfig, rng: jax.Array, seq_len: int = 8) -> dict:
+  """Model variables {"params", "balance"} (unboxed), initialised under jit (the jitted init
+  is cached per config, so a resumed run in the same process does not compile it again)."""
+  if (config, seq_len) not in _INIT:
+    model = _model(config)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    _INIT[config, seq_len] = jax.jit(lambda r: nn.unbox(model.init(r, tokens)))
+  variables = _INIT[config, seq_len](rng)
+  return {"params": variables["params"], "balance": variables.get("balance", {})}
+
+
+def create_state(config: ModelConfig, rng: jax.Array, tx: optax.GradientTransformation,
+                 seq_len: int = 8) -> TrainState:
+  v = init_variables(config, rng, seq_len)
+  return TrainState(step=jnp.zeros([], jnp.int32), params=v["params"], balance=v["balance"],
+                    opt_state=tx.init(v))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
+  """(sum of masked token CE in nats, number of masked tokens); fp32."""
+  logits = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  mask = mask.astype(jnp.float32)
+  return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
+
+
+def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float):
+  """Scalar loss and aux (ce, mtp_ce, flat stats) for one batch (module doc)."""
+  use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
+  out, mut = _model(config).apply(
+      {"params": params, "balance": balance}, batch["inputs"],
+      segment_ids=batch["segment_ids"], return_mtp=use_mtp, mutable=["stats"])
+  logits, mtp_logits = out if use_mtp else (out, None)
+  s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  ce = s / jnp.maximum(n, 1.0)
+  loss, mtp_ce = ce, jnp.zeros([], jnp.float32)
+  if use_mtp:
+    t = mtp_logits.shape[1]
+    s2, n2 = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], batch["mtp_mask"][:, :t])
+    mtp_ce = s2 / jnp.maximum(n2, 1.0)
+    loss = ce + mtp_weight * mtp_ce
+  return loss, (ce, mtp_ce, flat_stats(mut.get("stats", {})))
+
+
+def make_train_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs, *,
+                    mtp_weight: float = 0.3, qk_clip_tau: float | None = 100.0,
+                    schedule: Callable | None = None):
+  """train_step(state, batch) → (state, metrics); pure, jit it (donate the state)."""
+
+  def train_step(state: TrainState, batch: dict):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, (ce, mtp_ce, stats)), grads = grad_fn(state.params, state.balance, batch, config,
+                                                mtp_weight)
+    variables = state.variables
+    zero_b = jax.tree.map(jnp.zeros_like, state.balance)
+    updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,
+                                   variables, stats=stats)
+    new = optax.apply_updates(variables, updates)
+    max_logits = {k.rsplit("/", 1)[0]: v for k, v in stats.items() if k.endswith("/max_logit")}
+    params = qk_clip(new["params"], max_logits, qk_clip_tau, config.qk_nope_head_dim)
+    metrics = {"loss": loss, "ce": ce, "mtp_ce": mtp_ce, "grad_norm": optax.tree.norm(grads),
+               "stats": {k: v for k, v in stats.items() if k.rsplit("/", 1)[1] in LOGGED_STATS}}
+    if schedule is not None:
+      metrics["lr"] = schedule(state.step)
+    return TrainState(step=state.step + 1, params=params, balance=new["balance"],
+                      opt_state=opt_state), metrics
+
+  return train_step
+
+
+def make_eval_step(config: ModelConfig):
+  """eval_step(variables, batch) → {"ce_sum", "tokens", "byte_tokens"} (sums, fp32)."""
+
+  def eval_step(variables, batch):
+    logits, _ = _model(config).apply(variables, batch["inputs"],
+                                     segment_ids=batch["segment_ids"], mutable=["stats"])
+    s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    byte = jnp.sum(batch["loss_mask"] * (batch["targets"] < 256))
+    return {"ce_sum": s, "tokens": n, "byte_tokens": byte}
+
+  return eval_step

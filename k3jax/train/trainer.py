@@ -1,0 +1,259 @@
+"""The training loop behind experiments/train.py: validate → data → state → resume → steps.
+
+`train(cfg, workdir)` takes the run config (configs/*.py, an ml_collections ConfigDict) and a
+run directory. Everything that can be wrong with the inputs (config fields, shapes, data path,
+a checkpoint of another model) raises ValueError before anything is compiled. The loop logs
+every `train.log_every` steps to DIR/metrics.jsonl + TensorBoard, evaluates every
+`train.eval_every` steps, checkpoints every `train.checkpoint_every` steps and at the end, and
+resumes from the newest complete checkpoint in DIR. `until` stops early at a step (a
+simulated preemption: the schedule still spans `train.steps`).
+
+Mesh hook (issue 5): `jit_step(step_fn, state, batch) → jitted fn` may be passed to shard the
+step; by default the step is jitted on one device with the state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import ModelConfig
+from k3jax.train import balance as qb
+from k3jax.train import data as data_lib
+from k3jax.train import metrics as metrics_lib
+from k3jax.train.checkpoint import Checkpointer
+from k3jax.train.optim import make_optimizer
+from k3jax.train.schedule import warmup_cosine
+from k3jax.train.step import TrainState, create_state, make_eval_step, make_train_step
+
+log = logging.getLogger("k3jax.train")
+
+
+# ---------------------------------------------------------------------- config
+def model_config(cfg) -> ModelConfig:
+  """ModelConfig from cfg.model (every ModelConfig field; `preset` names it) and
+  cfg.balance.num_bins (the histogram the MoE layers sow)."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  m = dict(cfg.model.to_dict() if hasattr(cfg.model, "to_dict") else cfg.model)
+  name = m.pop("preset", m.get("name", "custom"))
+  unknown = sorted(set(m) - fields)
+  if unknown:
+    raise ValueError(f"config.model: unknown ModelConfig field(s) {unknown}")
+  m["name"] = name
+  if "qb_range" in m:
+    m["qb_range"] = tuple(m["qb_range"])
+  if cfg.balance.get("num_bins"):
+    m["qb_num_bins"] = int(cfg.balance.num_bins)
+  return ModelConfig(**m)
+
+
+def validate(cfg, config: ModelConfig) -> None:
+  """Shape and field checks of the run config (ValueError naming the field)."""
+  t = cfg.train
+
+  def need(cond, field, msg):
+    if not cond:
+      raise ValueError(f"config.{field}: {msg}")
+
+  for f in ("steps", "batch_size", "seq_len", "log_every"):
+    v = t[f]
+    need(isinstance(v, int) and v > 0, f"train.{f}", f"expected a positive int, found {v!r}")
+  for f in ("checkpoint_every", "eval_every", "max_to_keep"):
+    need(isinstance(t[f], int) and t[f] >= 0, f"train.{f}",
+         f"expected a non-negative int, found {t[f]!r}")
+  need(t.seq_len >= 2, "train.seq_len", f"expected >= 2, found {t.seq_len}")
+  need(t.mtp_weight >= 0, "train.mtp_weight", f"expected >= 0, found {t.mtp_weight}")
+  need(cfg.optim.lr > 0, "optim.lr", f"expected > 0, found {cfg.optim.lr}")
+  need(cfg.balance.method in qb.METHODS, "balance.method",
+       f"expected one of {qb.METHODS}, found {cfg.balance.method!r}")
+  need(config.vocab_size >= data_lib.NUM_BYTES + data_lib.NUM_SPECIAL, "model.vocab_size",
+       f"the byte tokenizer needs >= {data_lib.NUM_BYTES + data_lib.NUM_SPECIAL}, found "
+       f"{config.vocab_size}")
+  data_lib.parse_curriculum(t.curriculum)
+  n_dev = jax.device_count() if cfg.train.get("data_parallel", False) else 1
+  need(t.batch_size % n_dev == 0, "train.batch_size",
+       f"must be divisible by the {n_dev} data-parallel devices, found {t.batch_size}")
+
+
+def _signature(cfg) -> dict:
+  """Run-config fields a resume must keep (they change the optimizer state's structure)."""
+  return {"muon": bool(cfg.optim.muon), "balance": cfg.balance.method,
+          "clip": float(cfg.optim.get("clip_norm", 0.0)) > 0}
+
+
+# ---------------------------------------------------------------------- step cache
+_STEPS: dict = {}
+
+
+def _build(cfg, config: ModelConfig, jit_step=None):
+  """(tx, schedule, jitted train step, jitted eval step), cached per process so an in-process
+  resume reuses the compiled step."""
+  o = cfg.optim
+  key = (config, cfg.train.steps, cfg.train.mtp_weight, json.dumps(o.to_dict(), sort_keys=True),
+         json.dumps(cfg.balance.to_dict(), sort_keys=True), jit_step)
+  if key in _STEPS:
+    return _STEPS[key]
+  schedule = warmup_cosine(o.lr, cfg.train.steps, o.warmup_frac, o.get("final_lr_frac", 0.1))
+  balance_tx = qb.quantile_balancing(cfg.balance.method, k=config.experts_per_token,
+                                     value_range=config.qb_range, gamma=cfg.balance.gamma)
+  tx = make_optimizer(schedule, weight_decay=o.weight_decay, momentum=o.momentum,
+                      adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
+                      clip_norm=o.get("clip_norm", 0.0))
+  step_fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight,
+                            qk_clip_tau=o.qk_clip_tau, schedule=schedule)
+  jitted = jit_step(step_fn) if jit_step else jax.jit(step_fn, donate_argnums=0)
+  out = (tx, schedule, jitted, jax.jit(make_eval_step(config)))
+  _STEPS[key] = out
+  return out
+
+
+# ---------------------------------------------------------------------- loop
+def train(cfg, workdir: str, *, until: int | None = None, jit_step=None,
+          progress: bool | None = None) -> list[dict]:
+  """Train (or resume) the run in `workdir`; returns the metric records written this call."""
+  config = model_config(cfg)
+  validate(cfg, config)
+  t = cfg.train
+  curriculum = data_lib.parse_curriculum(t.curriculum)
+  corpus = data_lib.load_corpus(cfg.data.source, cfg.data.eval_percent, config.vocab_size)
+  it = data_lib.DataIterator(corpus, t.batch_size, t.seq_len, cfg.seed, curriculum)
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = Checkpointer(workdir, max_to_keep=t.max_to_keep or None,
+                      async_save=t.get("async_checkpoint", True))
+  ckpt.check_config(config)                      # a checkpoint of another model: fail now
+  _check_signature(ckpt, cfg)
+
+  tx, schedule, step_fn, eval_fn = _build(cfg, config, jit_step)
+  rng = jax.random.PRNGKey(cfg.seed)
+  state = create_state(config, rng, tx)
+  restored = ckpt.restore_latest(config, state.variables, state.opt_state)
+  start = 0
+  if restored is not None:
+    start, variables, opt_state, meta = restored
+    state = TrainState(step=jnp.asarray(start, jnp.int32), params=variables["params"],
+                       balance=variables["balance"], opt_state=opt_state)
+    state = jax.tree.map(jnp.asarray, state)
+    it.set_state(meta["data"])
+    log.info("resumed from %s/%d", ckpt.directory, start)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(cfg.to_json(indent=2))
+
+  end = t.steps if until is None else min(t.steps, until)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=t.get("tensorboard", True))
+  peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak()
+  evals = data_lib.eval_batches(corpus, t.get("eval_batches", 2), t.batch_size, t.seq_len,
+                                cfg.seed) if t.eval_every else []
+  records = []
+  show = t.get("progress", True) if progress is None else progress
+  bar = None
+  if show and end > start:
+    from tqdm import tqdm
+    bar = tqdm(total=end, initial=start, desc="train", dynamic_ncols=True)
+  tokens_since, t_since, first = 0, time.perf_counter(), True
+  try:
+    for step in range(start, end):
+      batch = next(it)
+      state, m = step_fn(state, batch)
+      tokens_since += batch["inputs"].size
+      done = step + 1
+      if first:   # the first step includes compilation: keep it out of tokens/s
+        jax.block_until_ready(m["loss"])
+        tokens_since, t_since, first = 0, time.perf_counter(), False
+      if done % t.log_every == 0 or done == end:
+        loss = float(m["loss"])
+        dt = time.perf_counter() - t_since
+        tps = tokens_since / dt if tokens_since else float("nan")
+        seq = it.seq_len_at(step)
+        fpt = metrics_lib.flops_per_token(config, state.params, seq,
+                                          with_mtp=t.mtp_weight > 0)
+        scalars = {"loss": loss, "ce": float(m["ce"]), "mtp_ce": float(m["mtp_ce"]),
+                   "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+                   "tokens_per_s": tps, "mfu": tps * fpt / peak if tokens_since else
+                   float("nan"), "seq_len": seq, "tokens": done * t.batch_size * seq}
+        scalars.update(metrics_lib.router_metrics(jax.device_get(m["stats"])))
+        if evals and (done % t.eval_every == 0 or done == end):
+          scalars.update(evaluate(eval_fn, state.variables, evals))
+        writer.write(done, scalars)
+        records.append({"step": done, **scalars})
+        tokens_since, t_since = 0, time.perf_counter()
+        if bar is not None:
+          bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}",
+                          mfu=f"{100 * scalars['mfu']:.1f}%")
+      if bar is not None:
+        bar.update(1)
+      if t.checkpoint_every and (done % t.checkpoint_every == 0 or done == end):
+        ckpt.save(done, config, state.variables, state.opt_state,
+                  {"step": done, "data": it.get_state(), "rng": np.asarray(
+                      jax.random.key_data(rng)).tolist(), "signature": _signature(cfg),
+                   "run_config": cfg.to_dict()})
+  finally:
+    if bar is not None:
+      bar.close()
+    writer.close()
+    ckpt.close()
+  return records
+
+
+def _check_signature(ckpt: Checkpointer, cfg) -> None:
+  from k3jax.train.checkpoint import _ocp
+  step = ckpt.latest_step()
+  if step is None:
+    return
+  try:
+    meta = ckpt.manager.restore(step, args=_ocp().args.Composite(
+        meta=_ocp().args.JsonRestore()))["meta"]
+  except Exception:  # noqa: BLE001 - unreadable: restore_latest will skip it
+    return
+  saved, mine = meta.get("signature"), _signature(cfg)
+  if saved is not None and saved != mine:
+    raise ValueError(f"checkpoint {ckpt.directory}/{step} was trained with optimizer settings "
+                     f"{saved}, the config asks for {mine}; use a new --workdir")
+
+
+def evaluate(eval_fn: Callable, variables: dict, batches: list[dict]) -> dict[str, float]:
+  """Eval loss (nats/token) and bits per byte (total bits ÷ byte targets) over `batches`."""
+  ce, n, nb = 0.0, 0.0, 0.0
+  for b in batches:
+    out = jax.device_get(eval_fn(variables, b))
+    ce, n, nb = ce + float(out["ce_sum"]), n + float(out["tokens"]), nb + float(
+        out["byte_tokens"])
+  return {"eval_loss": ce / max(n, 1.0), "bits_per_byte": ce / np.log(2) / max(nb, 1.0)}
+
+
+def base_config(preset_name: str = "tiny"):
+  """The run config configs/*.py start from: every field present (command-line overrides
+  need them) with the defaults of spec §7–8. `model` holds every ModelConfig field of the
+  preset (override any: --config.model.num_layers=5; `preset` only names it)."""
+  import ml_collections
+  from k3jax.config import preset
+  from k3jax.train.checkpoint import config_to_dict
+
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  model = config_to_dict(preset(preset_name))
+  model.pop("name")
+  model["qb_range"] = tuple(model["qb_range"])
+  c.model = ml_collections.ConfigDict({"preset": preset_name, **model})
+  c.train = ml_collections.ConfigDict(dict(
+      steps=300, batch_size=8, seq_len=128, checkpoint_every=100, eval_every=100,
+      eval_batches=2, log_every=10, mtp_weight=0.3, max_to_keep=3, curriculum="",
+      progress=True, tensorboard=True, async_checkpoint=True, peak_flops=0.0,
+      data_parallel=False))
+  c.optim = ml_collections.ConfigDict(dict(
+      lr=2e-3, warmup_frac=0.01, final_lr_frac=0.1, weight_decay=0.1, momentum=0.95,
+      adam_b1=0.9, adam_b2=0.95, muon=True, qk_clip_tau=100.0, clip_norm=0.0))
+  c.balance = ml_collections.ConfigDict(dict(method="qb", num_bins=0, gamma=1e-3))
+  c.data = ml_collections.ConfigDict(dict(source="stdlib", eval_percent=2.0))
+  # Device mesh (k3jax/sharding.py; used by experiments/train.py): product = device count,
+  # -1 fills; all 1 with data=-1 and data_parallel=False keeps the single-device step.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, context=1, tensor=1,
+                                          fsdp_over_data=False))
+  return c

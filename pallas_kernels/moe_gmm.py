@@ -1,0 +1,229 @@
+"""Grouped matmul (GMM) over expert-sorted rows, in Pallas, with a custom VJP.
+
+  gmm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]
+      rows are sorted by group: rows [o_g, o_g + group_sizes[g]) use rhs[g]
+      (o_g = Σ_{h<g} group_sizes[h]); rows at or past Σ group_sizes give zeros.
+  tgmm(lhs [M, K], grad [M, N], group_sizes [G]) -> [G, K, N]
+      the weight gradient: out[g] = lhs[rows of g]ᵀ · grad[rows of g] (zero for empty groups).
+
+The backward pass of `gmm` is d lhs = gmm(d out, rhs with K and N swapped) and d rhs = tgmm(lhs,
+d out). `permute` / `unpermute` move (token, slot) pairs into expert-sorted rows and back; they
+are what `k3jax.ops.moe.expert_mlp(method="gmm")` runs around the three grouped matmuls.
+
+Kernel layout (one design for every platform). The grid covers output tiles only, and every
+reduction runs as a loop *inside* the kernel, so no two grid points ever write the same output
+block (Triton runs grid points concurrently; TPU would allow revisiting, Triton would race).
+  gmm:  grid (M/bm, N/bn). A row tile is sorted, so it touches groups lo..hi only (read from its
+        per-row group ids); loop over those groups and over K in bk chunks, masking rows of other
+        groups to zero: the wasted work is one extra masked product per group boundary.
+  tgmm: grid (G, K/bk, N/bn); loop over the row tiles [o_g, o_g + size_g) of group g only.
+All dims are padded to the tile sizes (powers of two, ≥ 16, as Triton's `dot` needs); products
+accumulate in fp32 and results are cast to the input dtype.
+Limits (not done): full-extent row/K/N operands are passed whole (memory space = the default
+VMEM/global), which is fine for GPUs (global memory) but bounds the sizes on TPU VMEM; a
+production TPU kernel would fetch blocks by scalar-prefetched group metadata (megablox style).
+
+Lowering per platform (checked by tests/pallas_kernels/test_moe_gmm.py with `jax.export`):
+  CPU: `interpret=True` (the default there: `interpret=None` → True on CPU).
+  TPU: Mosaic TPU (Pallas default).
+  CUDA: Triton (`jax.config.update("jax_pallas_use_mosaic_gpu", False)` while tracing; Mosaic GPU
+        rejects a plain `dot`). Serialising the Triton custom call needs
+        `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from k3jax.ops import moe as moe_ops
+
+Array = jax.Array
+DEFAULT_TILING = (128, 128, 128)  # (bm, bk, bn)
+
+
+def _pow2_at_least(n: int, lo: int = 16) -> int:
+  return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def _tile(n: int, t: int) -> int:
+  """Tile for a dim of size n: the requested t, or smaller when n is small (powers of two)."""
+  return min(_pow2_at_least(t), _pow2_at_least(n))
+
+
+def _pad_to(x: Array, axis: int, size: int) -> Array:
+  if x.shape[axis] == size:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pads)
+
+
+def _round_up(n: int, t: int) -> int:
+  return -(-n // t) * t
+
+
+def _resolve_interpret(interpret):
+  return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def _row_groups(group_sizes: Array, m_pad: int) -> Array:
+  """[m_pad, 1] int32 group of every row; rows past Σ sizes get G (matches no group)."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  rows = jnp.arange(m_pad, dtype=jnp.int32)
+  return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)[:, None]
+
+
+# --------------------------------------------------------------------------- kernels
+def _gmm_kernel(rg_ref, lhs_ref, rhs_ref, out_ref, *, num_groups, bk, num_k):
+  rg = rg_ref[...]                                   # [bm, 1] int32 (sorted)
+  lo = jnp.min(rg)
+  hi = jnp.max(jnp.where(rg < num_groups, rg, -1))   # -1 when the tile is all padding
+
+  def group_body(g, acc):
+    mask = rg == g
+
+    def k_body(kk, acc):
+      a = lhs_ref[:, pl.ds(kk * bk, bk)]
+      a = jnp.where(mask, a, jnp.zeros_like(a))
+      b = rhs_ref[g, pl.ds(kk * bk, bk), :]
+      return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, num_k, k_body, acc)
+
+  acc = jnp.zeros(out_ref.shape, jnp.float32)
+  acc = jax.lax.fori_loop(lo, hi + 1, group_body, acc)
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _tgmm_kernel(rg_ref, lhs_ref, grad_ref, out_ref, *, bm):
+  g = pl.program_id(0)
+  rg = rg_ref[...]                                   # [M_pad, 1] int32 (sorted)
+  # Rows of group g are [start, end): counted from the sorted ids (no scalar memory needed).
+  start = jnp.sum((rg < g).astype(jnp.int32))
+  end = jnp.sum((rg <= g).astype(jnp.int32))
+
+  def m_body(i, acc):
+    r0 = pl.multiple_of(i * bm, bm)
+    a = lhs_ref[pl.ds(r0, bm), :]
+    a = jnp.where(rg_ref[pl.ds(r0, bm), :] == g, a, jnp.zeros_like(a))
+    gr = grad_ref[pl.ds(r0, bm), :]
+    return acc + jax.lax.dot_general(a, gr, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+  acc = jnp.zeros(out_ref.shape[-2:], jnp.float32)
+  # lax.div (truncating) rather than //: both are ≥ 0, and floor division on TPU needs `sign`,
+  # whose Mosaic lowering asks for the TPU generation (unavailable when exporting from CPU).
+  acc = jax.lax.fori_loop(jax.lax.div(start, bm), jax.lax.div(end + bm - 1, bm), m_body, acc)
+  out_ref[...] = acc.astype(out_ref.dtype)[None]
+
+
+def _gmm_call(lhs, rhs, group_sizes, interpret, tiling):
+  m, k = lhs.shape
+  g, _, n = rhs.shape
+  bm, bk, bn = _tile(m, tiling[0]), _tile(k, tiling[1]), _tile(n, tiling[2])
+  mp, kp, np_ = _round_up(m, bm), _round_up(k, bk), _round_up(n, bn)
+  lhs_p = _pad_to(_pad_to(lhs, 0, mp), 1, kp)
+  rhs_p = _pad_to(_pad_to(rhs, 1, kp), 2, np_)
+  rg = _row_groups(group_sizes, mp)
+  kernel = functools.partial(_gmm_kernel, num_groups=g, bk=bk, num_k=kp // bk)
+  out = pl.pallas_call(
+      kernel,
+      grid=(mp // bm, np_ // bn),
+      in_specs=[pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+                pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((g, kp, bn), lambda i, j: (0, 0, j))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((mp, np_), lhs.dtype),
+      interpret=interpret,
+  )(rg, lhs_p, rhs_p)
+  return out[:m, :n]
+
+
+def _tgmm_call(lhs, grad, group_sizes, interpret, tiling):
+  m, k = lhs.shape
+  n = grad.shape[1]
+  g = group_sizes.shape[0]
+  bm, bk, bn = _tile(m, tiling[0]), _tile(k, tiling[1]), _tile(n, tiling[2])
+  mp, kp, np_ = _round_up(m, bm), _round_up(k, bk), _round_up(n, bn)
+  lhs_p = _pad_to(_pad_to(lhs, 0, mp), 1, kp)
+  grad_p = _pad_to(_pad_to(grad, 0, mp), 1, np_)
+  rg = _row_groups(group_sizes, mp)
+  rg = jnp.where(jnp.arange(mp)[:, None] < m, rg, g)  # rows past M do not exist
+  kernel = functools.partial(_tgmm_kernel, bm=bm)
+  out = pl.pallas_call(
+      kernel,
+      grid=(g, kp // bk, np_ // bn),
+      in_specs=[pl.BlockSpec((mp, 1), lambda e, a, b: (0, 0)),
+                pl.BlockSpec((mp, bk), lambda e, a, b: (0, a)),
+                pl.BlockSpec((mp, bn), lambda e, a, b: (0, b))],
+      out_specs=pl.BlockSpec((1, bk, bn), lambda e, a, b: (e, a, b)),
+      out_shape=jax.ShapeDtypeStruct((g, kp, np_), lhs.dtype),
+      interpret=interpret,
+  )(rg, lhs_p, grad_p)
+  return out[:, :k, :n]
+
+
+# --------------------------------------------------------------------------- public API
+def _check(lhs, rhs_or_grad, group_sizes, name):
+  if lhs.ndim != 2:
+    raise ValueError(f"{name}: lhs must be [M, K], found shape {lhs.shape}")
+  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"{name}: group_sizes must be a 1-D integer array, found "
+                     f"shape {group_sizes.shape} dtype {group_sizes.dtype}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(lhs, rhs, group_sizes, interpret, tiling):
+  return _gmm_call(lhs, rhs, group_sizes, interpret, tiling)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, interpret, tiling):
+  return _gmm_call(lhs, rhs, group_sizes, interpret, tiling), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(interpret, tiling, res, d_out):
+  lhs, rhs, group_sizes = res
+  d_out = d_out.astype(lhs.dtype)
+  d_lhs = _gmm_call(d_out, jnp.swapaxes(rhs, 1, 2), group_sizes, interpret, tiling)
+  d_rhs = _tgmm_call(lhs, d_out, group_sizes, interpret, tiling)
+  return d_lhs, d_rhs.astype(rhs.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm(lhs: Array, rhs: Array, group_sizes: Array, *, interpret: bool | None = None,
+        tiling: tuple[int, int, int] = DEFAULT_TILING) -> Array:
+  """Grouped matmul: [M, K] rows sorted by group × rhs [G, K, N] → [M, N] (module docstring).
+
+  `interpret=None` → interpreted on CPU, compiled elsewhere. `tiling` = (bm, bk, bn), rounded
+  to powers of two and shrunk for small dims. Differentiable in lhs and rhs.
+  """
+  _check(lhs, rhs, group_sizes, "gmm")
+  if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+    raise ValueError(f"gmm: rhs must be [G, K={lhs.shape[1]}, N], found shape {rhs.shape}")
+  if group_sizes.shape[0] != rhs.shape[0]:
+    raise ValueError(f"gmm: group_sizes must be [G={rhs.shape[0]}], found {group_sizes.shape}")
+  rhs = rhs.astype(lhs.dtype)
+  return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), _resolve_interpret(interpret),
+              tuple(tiling))
+
+
+def tgmm(lhs: Array, grad: Array, group_sizes: Array, *, interpret: bool | None = None,
+         tiling: tuple[int, int, int] = DEFAULT_TILING) -> Array:
+  """Transposed grouped matmul: out[g] = lhs[rows of g]ᵀ grad[rows of g] → [G, K, N]."""
+  _check(lhs, grad, group_sizes, "tgmm")
+  if grad.ndim != 2 or grad.shape[0] != lhs.shape[0]:
+    raise ValueError(f"tgmm: grad must be [M={lhs.shape[0]}, N], found shape {grad.shape}")
+  return _tgmm_call(lhs, grad.astype(lhs.dtype), group_sizes.astype(jnp.int32),
+                    _resolve_interpret(interpret), tuple(tiling))
+
+
+# The permute / unpermute pair around the grouped matmuls lives with the op (kernels build on
+# ops); re-exported here so kernel users find it beside `gmm`.
+permute = moe_ops.permute
+unpermute = moe_ops.unpermute

@@ -1,0 +1,111 @@
+"""Tests for k3jax.ops.mla against a naive per-head, per-query numpy loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from k3jax.ops import mla
+
+
+def _np_attention(q, k, v, scale, seg=None, kv_mask=None):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, t, h, _ = q.shape
+  s = k.shape[1]
+  out = np.zeros((b, t, h, v.shape[-1]))
+  mx = np.full(h, -np.inf)
+  for bi in range(b):
+    for hi in range(h):
+      for ti in range(t):
+        pos = ti + s - t
+        keys = [j for j in range(s) if j <= pos
+                and (seg is None or seg[bi, j] == seg[bi, pos])
+                and (kv_mask is None or kv_mask[bi, j])]
+        if not keys:
+          continue
+        logits = np.array([q[bi, ti, hi] @ k[bi, j, hi] * scale for j in keys])
+        mx[hi] = max(mx[hi], logits.max())
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        out[bi, ti, hi] = sum(pj * v[bi, j, hi] for pj, j in zip(p, keys))
+  return out, mx
+
+
+# jit once per shape; hypothesis draws shapes from small sets so that compiles stay few.
+_attn = jax.jit(mla.mla_attention, static_argnames=("scale",))
+_absorbed = jax.jit(mla.mla_absorbed_attention, static_argnames=("scale",))
+
+
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 6]), st.sampled_from([0, 3]), st.booleans(),
+       st.integers(0, 10_000))
+def test_attention_matches_loop(b, t, extra, packed, seed):
+  rng = np.random.default_rng(seed)
+  s, h = t + extra, 2
+  q = rng.normal(size=(b, t, h, 6)).astype(np.float32)
+  k = rng.normal(size=(b, s, h, 6)).astype(np.float32)
+  v = rng.normal(size=(b, s, h, 5)).astype(np.float32)
+  seg = np.sort(rng.integers(0, 3, (b, s)), axis=1).astype(np.int32) if packed else None
+  o, mx = _attn(q, k, v, scale=0.4, segment_ids=None if seg is None else jnp.asarray(seg))
+  ro, rmx = _np_attention(q, k, v, 0.4, seg)
+  assert o.dtype == jnp.float32 and mx.shape == (h,)
+  np.testing.assert_allclose(o, ro, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mx, rmx, rtol=1e-5, atol=1e-5)
+
+
+def test_default_scale_and_kv_mask():
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
+  k = rng.normal(size=(2, 5, 2, 4)).astype(np.float32)
+  v = rng.normal(size=(2, 5, 2, 3)).astype(np.float32)
+  kv_mask = np.array([[1, 1, 0, 1, 1], [0, 0, 0, 0, 0]], bool)
+  o, mx = mla.mla_attention(q, k, v, kv_mask=jnp.asarray(kv_mask))
+  ro, rmx = _np_attention(q, k, v, 0.5, kv_mask=kv_mask)
+  np.testing.assert_allclose(o, ro, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mx, rmx, rtol=1e-5)
+  assert np.all(np.asarray(o)[1] == 0)  # rows with no allowed key give zeros, not nan
+
+
+def test_bf16_inputs_keep_fp32_output():
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 4, 2, 8)), jnp.bfloat16) for _ in range(3))
+  o, _ = mla.mla_attention(q, k, v)
+  ro, _ = _np_attention(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                        np.asarray(v, np.float32), 8 ** -0.5)
+  assert o.dtype == jnp.float32
+  np.testing.assert_allclose(o, ro, atol=2e-2)
+
+
+@given(st.sampled_from([1, 5]), st.sampled_from([0, 3]), st.booleans(), st.integers(0, 10_000))
+def test_absorbed_equals_materialised(t, extra, packed, seed):
+  rng = np.random.default_rng(seed)
+  b, h, n, r, lat, dv = 2, 3, 4, 2, 6, 5
+  s = t + extra
+  q_nope = rng.normal(size=(b, t, h, n)).astype(np.float32)
+  q_rope = rng.normal(size=(b, t, h, r)).astype(np.float32)
+  c = rng.normal(size=(b, s, lat)).astype(np.float32)
+  k_rope = rng.normal(size=(b, s, r)).astype(np.float32)
+  w_kb = rng.normal(size=(lat, h, n)).astype(np.float32) * 0.5
+  w_vb = rng.normal(size=(lat, h, dv)).astype(np.float32)
+  seg = jnp.asarray(np.sort(rng.integers(0, 2, (b, s)), axis=1)) if packed else None
+  k_full = np.concatenate([np.einsum("bsl,lhn->bshn", c, w_kb),
+                           np.broadcast_to(k_rope[:, :, None], (b, s, h, r))], -1)
+  v_full = np.einsum("bsl,lhv->bshv", c, w_vb)
+  q_full = np.concatenate([q_nope, q_rope], -1)
+  ref, ref_mx = _attn(q_full, k_full, v_full, scale=0.3, segment_ids=seg)
+  got, mx = _absorbed(q_nope, q_rope, c, k_rope, w_kb, w_vb, scale=0.3,
+                                       segment_ids=seg)
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(mx, ref_mx, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs():
+  z = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(ValueError, match="rank 4"):
+    mla.mla_attention(z[0], z, z)
+  with pytest.raises(ValueError, match="k must be"):
+    mla.mla_attention(z, jnp.zeros((1, 4, 3, 8)), z)
+  with pytest.raises(ValueError, match="must not exceed"):
+    mla.mla_attention(jnp.zeros((1, 5, 2, 8)), z, z)
+  with pytest.raises(ValueError, match="segment_ids"):
+    mla.mla_attention(z, z, z, segment_ids=jnp.zeros((1, 3), jnp.int32))

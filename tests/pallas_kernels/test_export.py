@@ -1,0 +1,62 @@
+"""Lowering checks without hardware: export the Pallas kernels for TPU and CUDA from this CPU.
+
+`jax.export(jax.jit(f), platforms=[...])` runs the Mosaic TPU / Triton lowering of every
+kernel, so an op a backend cannot lower fails here, not on the accelerator.
+CUDA: the kernels pass `pallas.triton.CompilerParams`, which selects the Triton lowering
+(jax's default Mosaic GPU lowering rejects a plain dot on jax 0.10); the Triton custom call
+(`__gpu$xla.gpu.triton`) has no serialisation-compatibility guarantee, so that one safety check
+is disabled for the export (running in-process on a GPU needs no such step).
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from pallas_kernels.kda_chunk import kda_chunked_pallas
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+_CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
+
+
+def export_for(fn, args, platform):
+  """Exports jit(fn) for one platform; returns the StableHLO text of the exported module."""
+  kw = {}
+  if platform == "cuda":
+    kw["disabled_checks"] = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+  exported = export.export(jax.jit(fn), platforms=[platform], **kw)(*args)
+  assert exported.platforms == (platform,)
+  return exported.mlir_module()
+
+
+def _kda_args(dtype, b=1, t=100, h=2, dk=64, dv=128):   # GPU: two V blocks of 64
+  s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
+  f32 = jnp.float32
+  return (s(b, t, h, dk), s(b, t, h, dk), s(b, t, h, dv), s(b, t, h, dk, d=f32), s(b, t, h, d=f32),
+          s(b, h, dk, dv, d=f32))
+
+
+def _kda(target):
+  def fwd(q, k, v, g, beta, s0):
+    return kda_chunked_pallas(q, k, v, g, beta, initial_state=s0, interpret=False, target=target)
+
+  def fwd_bwd(*args):
+    def loss(*a):
+      o, s = fwd(*a)
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+    return jax.grad(loss, argnums=tuple(range(6)))(*args)
+  return fwd, fwd_bwd
+
+
+@pytest.mark.parametrize("platform,dtype", [
+    ("tpu", jnp.float32), ("tpu", jnp.bfloat16), ("cuda", jnp.float32), ("cuda", jnp.bfloat16)])
+def test_kda_chunk_lowers(platform, dtype):
+  """Forward: one kernel (kda_chunk_fwd); forward+backward: both kernels."""
+  fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu")
+  args = _kda_args(dtype)
+  text = export_for(fwd, args, platform)
+  assert text.count(_CUSTOM_CALL[platform]) == 1
+  assert "kda_chunk_fwd" in text
+  text = export_for(fwd_bwd, args, platform)
+  assert text.count(_CUSTOM_CALL[platform]) == 2
+  assert "kda_chunk_fwd" in text and "kda_chunk_bwd" in text

@@ -1,0 +1,225 @@
+"""Pallas KDA chunk kernel (interpret mode on CPU) against the reference ops.
+
+`k3jax.ops.kda.kda_recurrent` (token-by-token scan) is the ground truth; `kda_chunked` the XLA
+path the kernel replaces. Values and gradients of all inputs, both launch forms ("grid" for
+TPU, "loop" for GPU), T not a multiple of the chunk, an initial state, saturated gates.
+On a GPU/TPU machine the same tests run the compiled kernel (interpret=None picks it).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from k3jax.layers import backend
+from k3jax.ops import kda
+from pallas_kernels import kda_chunk
+from pallas_kernels.kda_chunk import kda_chunked_pallas
+
+
+def _inputs(seed, b, t, h, dk, dv, *, gate="random", with_state=True, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  unit = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+  q = unit(jax.random.normal(ks[0], (b, t, h, dk))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (b, t, h, dk))).astype(dtype)
+  v = jax.random.normal(ks[2], (b, t, h, dv)).astype(dtype)
+  if gate == "saturated":
+    g = jnp.full((b, t, h, dk), -5.0, jnp.float32)
+  else:   # the bounded gate of the model, over its whole range (-5, 0)
+    z = 3.0 * jax.random.normal(ks[3], (b, t, h, dk))
+    g = kda.kda_gate(z, jnp.zeros((h,)), jnp.zeros((h, dk)), lower_bound=-5.0)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+  s0 = jax.random.normal(ks[5], (b, h, dk, dv)) if with_state else None
+  return q, k, v, g, beta, s0
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+_ON_CPU = jax.default_backend() == "cpu"
+
+
+@functools.partial(jax.jit, static_argnames=("other",))
+def _pallas(q, k, v, g, beta, s0, other=False):
+  """The kernel as the platform runs it (CPU: interpreted "grid" form; GPU: compiled "loop"
+  form; TPU: compiled "grid" form) or, with other=True, the other launch form, interpreted."""
+  if not other:
+    return kda_chunked_pallas(q, k, v, g, beta, initial_state=s0)
+  launch = "loop" if _ON_CPU or jax.default_backend() == "tpu" else "grid"
+  return kda_chunked_pallas(q, k, v, g, beta, initial_state=s0, launch=launch, interpret=True,
+                            block_v=v.shape[-1] // 2)
+
+
+@jax.jit
+def _recurrent(q, k, v, g, beta, s0):
+  return kda.kda_recurrent(q, k, v, g, beta, initial_state=s0)
+
+
+@jax.jit
+def _chunked(q, k, v, g, beta, s0):
+  return kda.kda_chunked(q, k, v, g, beta, initial_state=s0)
+
+
+def _grads(fn, args, seed=1):
+  """Gradients of a random projection of (o, final state) w.r.t. q, k, v, g, beta, s0."""
+  q, v, s0 = args[0], args[2], args[5]
+  kd, ks = jax.random.split(jax.random.PRNGKey(seed))
+  do = jax.random.normal(kd, q.shape[:3] + (v.shape[-1],))
+  ds = jax.random.normal(ks, s0.shape)
+
+  def loss(*a):
+    o, s = fn(*a)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds)
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+
+
+_NAMES = ("q", "k", "v", "g", "beta", "s0")
+# The main case: T = 100 (not a multiple of 64: two chunks, padded), an initial state, the
+# model's bounded gate over its whole range. Results are cached: each compiles once.
+_MAIN = (1, 100, 2, 16, 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _main_results(impl):
+  args = _inputs(0, *_MAIN)
+  if impl == "recurrent":
+    fn = lambda *a: kda.kda_recurrent(*a[:5], initial_state=a[5])
+  else:
+    fn = lambda *a: _pallas(*a, other=impl == "other")
+  return fn(*args), _grads(fn, args)
+
+
+def test_forward_matches_recurrent_and_chunked():
+  (o, s), _ = _main_results("pallas")
+  (o_r, s_r), _ = _main_results("recurrent")
+  o_c, s_c = _chunked(*_inputs(0, *_MAIN))
+  assert o.shape == o_r.shape and s.shape == s_r.shape and s.dtype == jnp.float32
+  assert _rel_err(o, o_r) < 1e-5 and _rel_err(s, s_r) < 1e-5
+  assert _rel_err(o, o_c) < 1e-5 and _rel_err(s, s_c) < 1e-5
+
+
+def test_gradients_match_recurrent():
+  """All six gradients (q, k, v, g, beta, initial state) against autodiff of the recurrence.
+  (kda_chunked's own gradients equal the recurrence's: tests/ops/test_kda.py.)"""
+  _, grads = _main_results("pallas")
+  _, grads_r = _main_results("recurrent")
+  for name, a, r in zip(_NAMES, grads, grads_r):
+    assert a.shape == r.shape, name
+    assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
+
+
+def test_both_launch_forms_agree():
+  """The GPU form (one program per head and V block, fori_loop over chunks, state as loop
+  carry) and the TPU form (grid over chunks, state in a scratch buffer) give the same values
+  and gradients; the "other" form also splits V in two blocks (partial dq, dk, dg, dbeta)."""
+  (o, s), grads = _main_results("pallas")
+  (o_l, s_l), grads_l = _main_results("other")
+  for name, a, b in zip(("o", "state") + _NAMES, (o, s) + tuple(grads), (o_l, s_l) + tuple(grads_l)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_saturated_gates_long_sequence():
+  """All g = -5 over T = 1024: the largest rescales everywhere; outputs and gradients stay
+  finite and match the recurrence."""
+  args = _inputs(4, 1, 1024, 1, 16, 16, gate="saturated")
+  o, s = _pallas(*args)
+  o_r, s_r = _recurrent(*args)
+  assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(s)))
+  assert _rel_err(o, o_r) < 1e-5 and _rel_err(s, s_r) < 1e-5
+  g_p = _grads(lambda *a: _pallas(*a), args)
+  g_r = _grads(lambda *a: kda.kda_recurrent(*a[:5], initial_state=a[5]), args)
+  for name, a, r in zip(_NAMES, g_p, g_r):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
+
+
+def test_bfloat16_inputs_close_to_fp32_reference():
+  """bf16 q, k, v (the accelerator setting): matmul operands in bf16, state and decay fp32.
+  No initial state, T = 64 (exactly one chunk)."""
+  args = _inputs(5, 2, 64, 1, 16, 16, dtype=jnp.bfloat16, with_state=False)
+  o, s = _pallas(*args)
+  o_r, s_r = _recurrent(*args)
+  assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+  assert _rel_err(o, o_r) < 3e-2 and _rel_err(s, s_r) < 3e-2
+
+
+# --------------------------------------------------------------------- chunk math (pure jnp)
+def _naive_chunk(q, k, v, g, beta, s):
+  """Token-by-token delta rule over one chunk (numpy float64)."""
+  q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s))
+  out = []
+  for t in range(q.shape[0]):
+    s = s * np.exp(g[t])[:, None]
+    s = s + beta[t, 0] * np.outer(k[t], v[t] - k[t] @ s)
+    out.append(q[t] @ s)
+  return np.stack(out), s
+
+
+_step64 = jax.jit(kda_chunk._chunk_step)
+
+
+@given(seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.0, 0.3, 3.0, 30.0]))
+def test_chunk_step_matches_token_loop(seed, gate_scale):
+  """One 64-token chunk over decay regimes from none (g = 0) to saturated (g ~ -5)."""
+  r = np.random.default_rng(seed)
+  c, dk, dv = 64, 16, 8
+  q, k = (r.standard_normal((c, dk)).astype(np.float32) * 0.3 for _ in range(2))
+  v = r.standard_normal((c, dv)).astype(np.float32)
+  g = (-5.0 / (1.0 + np.exp(-gate_scale * r.standard_normal((c, dk))))).astype(np.float32)
+  if gate_scale == 0.0:
+    g = np.zeros_like(g)
+  beta = (1.0 / (1.0 + np.exp(-r.standard_normal((c, 1))))).astype(np.float32)
+  s = r.standard_normal((dk, dv)).astype(np.float32)
+  o, s_new = _step64(q, k, v, g, beta, s)
+  o_ref, s_ref = _naive_chunk(q, k, v, g, beta, s)
+  assert _rel_err(o, o_ref) < 1e-4 and _rel_err(s_new, s_ref) < 1e-4
+
+
+def test_unit_lower_inverse_by_doubling():
+  r = np.random.default_rng(0)
+  n = np.tril(r.standard_normal((64, 64)) * 0.3, -1).astype(np.float32)
+  ident = np.eye(64, dtype=np.float32)
+  inv = kda_chunk._unit_lower_inverse(jnp.asarray(n), jnp.asarray(ident), 64, kda_chunk._dot)
+  np.testing.assert_allclose(np.asarray(inv), np.linalg.inv(ident + n.astype(np.float64)),
+                             rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------- contract and errors
+def test_backend_dispatches_to_kernel():
+  assert backend.kda_chunked_fn("pallas") is kda_chunked_pallas
+
+
+def test_unbounded_gate_and_segments_are_rejected():
+  q, k, v, g, beta, s0 = _inputs(6, 1, 16, 1, 16, 16)
+  with pytest.raises(ValueError, match="bounded decay gate.*kernel_backend='xla'"):
+    kda_chunked_pallas(q, k, v, g, beta, lower_bound=None)
+  with pytest.raises(ValueError, match="g must be >= lower_bound"):
+    kda_chunked_pallas(q, k, v, g - 10.0, beta)
+  with pytest.raises(NotImplementedError, match="kernel_backend='xla'"):
+    kda_chunked_pallas(q, k, v, g, beta, segment_ids=jnp.zeros((1, 16), jnp.int32))
+
+
+def test_unbounded_gate_under_jit_flags_nan():
+  """Under jit the bound cannot raise: the offending (batch, head) gets NaN, the others are
+  untouched (and equal the recurrence)."""
+  q, k, v, g, beta, s0 = _inputs(0, *_MAIN)   # compiled already
+  g = g.at[:, 3, 1].add(-20.0)          # Kimi-Linear-like decay in head 1 only
+  o, s = _pallas(q, k, v, g, beta, s0)
+  o_r, s_r = _recurrent(q, k, v, g, beta, s0)
+  assert np.all(np.isnan(np.asarray(o[:, :, 1]))) and np.all(np.isnan(np.asarray(s[:, 1])))
+  assert _rel_err(o[:, :, 0], o_r[:, :, 0]) < 1e-5 and _rel_err(s[:, 0], s_r[:, 0]) < 1e-5
+
+
+def test_bad_shapes_name_the_argument():
+  q, k, v, g, beta, s0 = _inputs(7, 1, 16, 1, 16, 16)
+  with pytest.raises(ValueError, match="beta"):
+    kda_chunked_pallas(q, k, v, g, beta[..., None])
+  with pytest.raises(ValueError, match="initial_state"):
+    kda_chunked_pallas(q, k, v, g, beta, initial_state=s0[:, :, :8])
+  with pytest.raises(ValueError, match="chunk_size"):
+    kda_chunked_pallas(q, k, v, g, beta, chunk_size=48)

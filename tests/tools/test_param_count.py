@@ -1,0 +1,69 @@
+"""tools/param_count: spec §1 figures for k3, and a hand count for tiny."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from k3jax.config import preset
+from tools.param_count import count_params
+
+
+def test_k3_matches_table_1():
+  c = count_params(preset("k3"))
+  assert abs(c["total"] / 2.7795e12 - 1) < 1e-3, c["total"]
+  assert abs(c["activated"] / 104.19e9 - 1) < 1e-3, c["activated"]
+  comps = c["components"]
+  assert comps["embedding"]["total"] == 163840 * 7168 and comps["embedding"]["activated"] == 0
+  assert comps["routed_experts"]["total"] == 92 * 896 * 3 * 3584 * 3072
+  assert comps["routed_experts"]["activated"] == 92 * 16 * 3 * 3584 * 3072
+  assert comps["dense_mlp"]["total"] == 3 * 7168 * 33792
+  assert comps["router"]["total"] == 92 * 7168 * 896
+  assert c["router_bias"] == 92 * 896
+  assert c["mtp"] > 0 and sum(v["total"] for v in comps.values()) == c["total"]
+
+
+def _hand_count_tiny(cfg):
+  d, v, L = cfg.d_model, cfg.vocab_size, cfg.num_layers
+  h, k, r, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_gate_rank, cfg.kda_conv_size
+  kda = (3 * d * h * k + 3 * w * h * k + d * r + r * h * k + d * h + d * h * k + h + h * k
+         + h * k * d)  # + o_norm (k) counted as a norm
+  mh, q, kv = cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+  mla = (d * q + q * mh * cfg.qk_head_dim + d * (kv + cfg.qk_rope_head_dim)
+         + kv * mh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + d * mh * cfg.v_head_dim
+         + mh * cfg.v_head_dim * d)
+  e, f, ell = cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_moe_dim
+  moe_layers = L - cfg.first_dense_layers
+  n_mla = sum(cfg.is_mla(i) for i in range(L))
+  return {
+      "kda": (L - n_mla) * kda, "mla": n_mla * mla,
+      "routed_experts": moe_layers * e * 3 * ell * f,
+      "latent_projections": moe_layers * 2 * d * ell,
+      "router": moe_layers * d * e,
+      "shared_experts": moe_layers * 3 * d * cfg.shared_intermediate_size,
+      "dense_mlp": cfg.first_dense_layers * 3 * d * cfg.dense_intermediate_size,
+      "attn_res": (2 * L + 1) * 2 * d,
+      "embedding": v * d, "lm_head": v * d,
+      "norms": (2 * L + 1) * d + (L - n_mla) * k + n_mla * (q + kv) + moe_layers * ell,
+  }
+
+
+def test_tiny_components_match_hand_count():
+  cfg = preset("tiny")
+  c = count_params(cfg)
+  hand = _hand_count_tiny(cfg)
+  for name, n in hand.items():
+    assert c["components"][name]["total"] == n, name
+  frac = cfg.experts_per_token / cfg.num_experts
+  assert c["activated"] == sum(hand.values()) - hand["embedding"] - round(
+      hand["routed_experts"] * (1 - frac))
+
+
+def test_cli_json():
+  out = subprocess.run([sys.executable, "-m", "tools.param_count", "--preset", "tiny", "--json"],
+                       capture_output=True, text=True, check=True)
+  data = json.loads(out.stdout)
+  assert data["total"] == count_params(preset("tiny"))["total"]
+  assert set(data["components"]) >= {"embedding", "lm_head", "kda", "mla", "routed_experts"}

@@ -1,0 +1,131 @@
+"""Parameter count of a preset through `jax.eval_shape` (nothing is allocated).
+
+  python -m tools.param_count --preset k3 [--json]
+
+total: every parameter of the main model (input embedding and lm_head included, untied);
+activated: what one token uses — routed experts count k/E of their parameters, the input
+embedding table is excluded (a lookup, not a matmul), everything else counts fully. The MTP
+module is excluded from both and reported on its own; the selection-only router bias
+(collection "balance") is not a parameter and is reported separately. Spec §1: k3 gives
+2.7795T total and 104.19B activated.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_mlp", "routed_experts",
+              "shared_experts", "router", "latent_projections", "attn_res", "norms")
+
+
+def _component(keys: list[str]) -> str:
+  """Component of one parameter from its Flax path (docs/contracts.md names)."""
+  leaf = keys[-1]
+  if keys[0] == "embed_tokens":
+    return "embedding"
+  if keys[0] == "lm_head":
+    return "lm_head"
+  if any(k in ("self_attention_res", "mlp_res", "output_attn_res") for k in keys):
+    return "attn_res"
+  if leaf in ("weight", "o_norm"):  # every RMSNorm weight (pre-norms, latent norms, o_norm)
+    return "norms"
+  if "experts" in keys and "shared_experts" not in keys:
+    return "routed_experts"
+  if "shared_experts" in keys:
+    return "shared_experts"
+  if "gate" in keys and "block_sparse_moe" in keys:
+    return "router"
+  if any(k in ("routed_expert_down_proj", "routed_expert_up_proj") for k in keys):
+    return "latent_projections"
+  if "mlp" in keys or keys[-2:-1] == ["eh_proj"]:
+    return "dense_mlp"
+  if "self_attn" in keys:
+    return "attn"  # resolved to kda / mla by the caller
+  raise ValueError(f"param_count: unclassified parameter {'/'.join(keys)}")
+
+
+def count_params(config) -> dict:
+  """Counts for a ModelConfig: {"total", "activated", "mtp", "router_bias", "components":
+  {name: {"total", "activated"}}} (plain ints)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from k3jax.model import K3Model
+
+  shapes = nn.unbox(jax.eval_shape(K3Model(config).init, jax.random.key(0),
+                                   jnp.zeros((1, 2), jnp.int32)))
+  frac = config.experts_per_token / config.num_experts if config.num_experts else 0.0
+  comps = {c: {"total": 0, "activated": 0} for c in COMPONENTS}
+  mtp = 0
+
+  def walk(tree, keys):
+    nonlocal mtp
+    if not isinstance(tree, dict):
+      n = int(np.prod(tree.shape))
+      if keys[0] == "mtp":
+        mtp += n
+        return
+      c = _component(keys)
+      if c == "attn":  # KDA layers own A_log; MLA layers own kv_a_proj_with_mqa
+        i = keys.index("self_attn")
+        c = "kda" if "A_log" in _subtree(shapes["params"], keys[:i + 1]) else "mla"
+      comps[c]["total"] += n
+      comps[c]["activated"] += (0 if c == "embedding" else
+                                round(n * frac) if c == "routed_experts" else n)
+      return
+    for k, v in tree.items():
+      walk(v, keys + [k])
+
+  walk(shapes["params"], [])
+  bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes.get("balance", {})))
+  return {
+      "preset": config.name,
+      "total": sum(c["total"] for c in comps.values()),
+      "activated": sum(c["activated"] for c in comps.values()),
+      "mtp": mtp,
+      "router_bias": bias,
+      "components": comps,
+  }
+
+
+def _subtree(tree, keys):
+  for k in keys:
+    tree = tree[k]
+  return tree
+
+
+def _fmt(n: int) -> str:
+  for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= div:
+      return f"{n / div:.4f}{unit}"
+  return str(n)
+
+
+def format_table(counts: dict) -> str:
+  lines = [f"preset {counts['preset']}", f"{'component':<20}{'total':>16}{'activated':>16}"]
+  for name, c in counts["components"].items():
+    lines.append(f"{name:<20}{_fmt(c['total']):>16}{_fmt(c['activated']):>16}")
+  lines.append(f"{'TOTAL':<20}{_fmt(counts['total']):>16}{_fmt(counts['activated']):>16}")
+  lines.append(f"(excluded) mtp {_fmt(counts['mtp'])}, router bias {_fmt(counts['router_bias'])}")
+  return "\n".join(lines)
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "k3", "name of a k3jax.config preset")
+flags.DEFINE_bool("json", False, "print JSON instead of a table")
+
+
+def main(argv):
+  del argv
+  from k3jax.config import preset
+  counts = count_params(preset(FLAGS.preset))
+  print(json.dumps(counts, indent=1) if FLAGS.json else format_table(counts))
+
+
+if __name__ == "__main__":
+  app.run(main)
