@@ -154,8 +154,10 @@ def ep_part(steps: int, batch_size: int, seq_len: int) -> dict:
 def _subprocess(args: list[str], devices: int) -> dict:
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, __file__, *args, "--child"], env=env, check=True,
+  out = subprocess.run([sys.executable, __file__, *args, "--child"], env=env,
                        capture_output=True, text=True)
+  if out.returncode:
+    raise RuntimeError(f"{args}: exit {out.returncode}\n{out.stderr[-4000:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -21,11 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("ckpt", None, "checkpoint directory (anything k3jax load_pretrained accepts)")
-flags.DEFINE_string("text", None, "text to score")
-flags.DEFINE_string("tokens", None, "comma-separated token ids to score (instead of --text)")
-flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local Hugging Face tokenizer directory")
-flags.DEFINE_bool("json", False, "print one JSON object as the last line")
+
+
+def _define_flags():
+  # Defined only when run as a script: importing `token_logprobs` (tests, notebooks) must not
+  # register absl flags that other entry points (e.g. --json) also define.
+  flags.DEFINE_string("ckpt", None, "checkpoint directory (anything load_pretrained accepts)")
+  flags.DEFINE_string("text", None, "text to score")
+  flags.DEFINE_string("tokens", None, "comma-separated token ids to score (instead of --text)")
+  flags.DEFINE_string("tokenizer", "bytes", "'bytes' or a local Hugging Face tokenizer directory")
+  flags.DEFINE_bool("json", False, "print one JSON object as the last line")
 
 
 def token_logprobs(config, variables, tokens, apply_fn=None) -> np.ndarray:
@@ -78,4 +83,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

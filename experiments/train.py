@@ -69,8 +69,8 @@ def main(argv):
   records = train(_CONFIG.value, _WORKDIR.value, jit_step=mesh_jit_step(_CONFIG.value))
   if records:
     last = records[-1]
-    print(f"step {last['step']}: loss {last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s, "
-          f"MFU {100 * last['mfu']:.1f}%")
+    print(f"step {last['step']}: loss {last['loss']:.4f}, "
+          f"{last['tokens_per_s'] or 0:.0f} tokens/s, MFU {100 * (last['mfu'] or 0):.1f}%")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from k3jax.config import DENSE, KDA, MLA, ModelConfig, dtype_of
-from k3jax.layers.kda import KDA as KDALayer
+from k3jax.config import DENSE, KDA, ModelConfig, dtype_of
+from k3jax.layers.kda import KDA as KDALayer, l2_normalize
 from k3jax.layers.mla import MLA as MLALayer
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import StableLatentMoE
@@ -173,7 +173,6 @@ def _kda_mixer(cfg, vs, x, cache: KDACache, num_new, path):
     q, tq, xq = _conv_with_tail(qx, cache.conv_q, m.q_conv1d, num_new)
     k, tk, xk = _conv_with_tail(kx, cache.conv_k, m.k_conv1d, num_new)
     v, tv, xv = _conv_with_tail(vx, cache.conv_v, m.v_conv1d, num_new)
-    from k3jax.layers.kda import l2_normalize
     q, k, v = l2_normalize(jax.nn.silu(q)), l2_normalize(jax.nn.silu(k)), jax.nn.silu(v)
     z = m.f_b_proj(m.f_a_proj(x)).astype(jnp.float32)
     g = kda_gate(z, m.A_log, m.dt_bias, lower_bound=cfg.kda_lower_bound)

@@ -196,7 +196,8 @@ def active_mesh() -> Mesh | None:
 
 
 # ----------------------------------------------------------------------- shardings of trees
-def _divisible_spec(shape: Sequence[int], spec: P, mesh: Mesh, name: str = "") -> P:
+def _divisible_spec(shape: Sequence[int], spec: P, mesh: Mesh, name: str = "",
+                    logical: Sequence[str | None] = ()) -> P:
   """Drop mesh axes from dims they do not divide (replicate those dims instead).
 
   The expert axis is the exception: experts not divisible by it is a configuration error.
@@ -214,7 +215,7 @@ def _divisible_spec(shape: Sequence[int], spec: P, mesh: Mesh, name: str = "") -
       continue
     n = axis_size(mesh, names)
     if shape[i] % n:
-      if "expert" in names:
+      if i < len(logical) and logical[i] == "experts":
         raise ValueError(
             f"{name}: dimension {i} of size {shape[i]} (experts) is not divisible by the "
             f"expert axis size {n}")
@@ -236,7 +237,7 @@ def logical_to_sharding(
   if logical is None:
     return NamedSharding(mesh, P())
   spec = nn.logical_to_mesh_axes(tuple(logical), rules)
-  return NamedSharding(mesh, _divisible_spec(shape, spec, mesh, name))
+  return NamedSharding(mesh, _divisible_spec(shape, spec, mesh, name, tuple(logical)))
 
 
 def logical_specs(abstract_tree: Any) -> Any:

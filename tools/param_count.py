@@ -82,7 +82,8 @@ def count_params(config) -> dict:
       walk(v, keys + [k])
 
   walk(shapes["params"], [])
-  bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes.get("balance", {})))
+  balance = {k: v for k, v in shapes.get("balance", {}).items() if k != "mtp"}
+  bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(balance))
   return {
       "preset": config.name,
       "total": sum(c["total"] for c in comps.values()),
@@ -111,7 +112,8 @@ def format_table(counts: dict) -> str:
   for name, c in counts["components"].items():
     lines.append(f"{name:<20}{_fmt(c['total']):>16}{_fmt(c['activated']):>16}")
   lines.append(f"{'TOTAL':<20}{_fmt(counts['total']):>16}{_fmt(counts['activated']):>16}")
-  lines.append(f"(excluded) mtp {_fmt(counts['mtp'])}, router bias {_fmt(counts['router_bias'])}")
+  lines.append(f"(excluded) mtp {_fmt(counts['mtp'])}, router bias (not a parameter) "
+               f"{_fmt(counts['router_bias'])}")
   return "\n".join(lines)
 
 

@@ -20,12 +20,25 @@ def resolve(backend: str) -> str:
 
 
 def kda_chunked_fn(backend: str):
-  """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, ...)` for a backend."""
+  """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, ...)` for a backend.
+
+  Under `k3jax.sharding.activate(mesh)` with context > 1 the function runs context-parallel
+  (k3jax/parallel/context.py); otherwise it is the op itself.
+  """
+  from k3jax.parallel.context import maybe_context_parallel
   if resolve(backend) == "pallas":
     from pallas_kernels.kda_chunk import kda_chunked_pallas
-    return kda_chunked_pallas
+    return maybe_context_parallel(kda_chunked_pallas)
   from k3jax.ops.kda import kda_chunked
-  return kda_chunked
+  return maybe_context_parallel(kda_chunked)
+
+
+def expert_mlp_fn():
+  """`k3jax.ops.moe.expert_mlp`, or — under `k3jax.sharding.activate(mesh)` with expert > 1 —
+  its expert-parallel form (all_to_all dispatch, k3jax/parallel/expert.py), same signature."""
+  from k3jax.ops.moe import expert_mlp
+  from k3jax.parallel.expert import maybe_expert_parallel
+  return maybe_expert_parallel(expert_mlp)
 
 
 def moe_method(backend: str) -> str:

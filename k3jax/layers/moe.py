@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from k3jax.config import dtype_of
+from k3jax.layers import backend
 from k3jax.layers.linear import default_kernel_init, linear, param
 from k3jax.layers.mla import sow_stat
 from k3jax.layers.mlp import MLP
@@ -100,7 +101,7 @@ class StableLatentMoE(nn.Module):
     if self.is_initializing():  # params never depend on the dispatch: skip it in init
       u, dropped = jnp.zeros(z.shape, jnp.float32), 0
     else:
-      u, dropped = moe_ops.expert_mlp(
+      u, dropped = backend.expert_mlp_fn()(
           z, weights, indices.astype(jnp.int32), w1.astype(compute), w3.astype(compute),
           w2.astype(compute), activation=cfg.activation, beta1=cfg.situ_beta1,
           beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t), method="sort")

@@ -28,17 +28,21 @@ within-chunk cumulative log-decay G_t = Σ_{s≤t} g_s (Γ_t = exp(G_t)):
     S_C = Diag(Γ_C) S0 + (exp(G_C − G)⊙K)ᵀ U
 
 Overflow-safe decay factors (our choice, valid for bounded *and* unbounded decay): every
-exponent we evaluate is a direct sum of g's (never a difference of two cumulative sums, so no
-cancellation) and is ≤ 0, so no exp ever exceeds 1:
-  * diagonal 16-token tiles: exp(G_t − G_i) is formed pairwise, exp(Σ_{i<s≤t} g_s) for t ≥ i
-    only (masked), then contracted over channels elementwise;
-  * off-diagonal tiles (tile a of rows after tile b of columns): the rescale is done relative
-    to tile a's own reference point (the position just before tile a): the row factor is
-    exp(Σ_{start(a)≤s≤t} g_s) ≤ 1 and the column factor exp(Σ_{i<s<start(a)} g_s) ≤ 1, and
-    their product is exp(G_t − G_i); these tiles are then plain dense matmuls.
+exponent we evaluate is ≤ 0, so no exp ever exceeds 1 and nothing can overflow:
+  * diagonal 16-token tiles: exp(G_t − G_i) is formed pairwise, for t ≥ i only (masked), from
+    the tile-local prefix sums, then contracted over channels (`_diag_scores`, hand-written
+    backward);
+  * off-diagonal tiles (row tile a after column tile b): the rescale is done relative to tile
+    a's own reference point (the position just before tile a): the row factor is
+    exp(Σ_{start(a)≤s≤t} g_s) ≤ 1 and the column factor exp(Σ_{i<s<start(a)} g_s) ≤ 1 (both
+    direct sums of g, so no cancellation), and their product is exp(G_t − G_i); these tiles are
+    then plain dense matmuls;
+  * Γ_t = exp(G_t) and exp(G_C − G_i) are also direct sums, ≤ 1.
 With bounded decay the classic inverse-decay rescale inside a 16-token tile would stay below
-e^80; the pairwise diagonal tile removes even that bound, at the cost of a [16,16,K]
-elementwise product per tile.
+e^80; the pairwise diagonal tile removes even that bound (needed for Kimi Linear's unbounded
+softplus decay), at the cost of a [16,16,K] elementwise product per tile. A scan step handles
+`_GROUP_TOKENS` tokens: the state-independent work of its chunks is vectorised, then an inner
+scan passes the state through them; the step is rematerialised in the backward pass.
 """
 
 from __future__ import annotations

@@ -66,6 +66,22 @@ def flops_per_token(config: ModelConfig, params: dict, seq_len: int,
   return 6 * active_params(config, params, with_mtp) + mla + kda
 
 
+def muon_flops_per_step(params: dict, ns_steps: int = 5) -> float:
+  """FLOPs of Per-Head Muon's Newton–Schulz per optimizer step (independent of the batch):
+  per block [m ≤ n]: ns_steps · (4·m²·n + 2·m³). With small batches on a CPU this rivals the
+  model's own FLOPs, which is why `hfu` (model + optimizer FLOPs) is logged next to `mfu`."""
+  from k3jax.train.optim import muon_blocks, param_label
+  total = 0.0
+  for path, x in _leaf_items({"params": params}):
+    if param_label(path, x.shape) != "muon":
+      continue
+    batch, fin, fout = muon_blocks(path, x.shape)
+    m, n = sorted((x.shape[fin], x.shape[fout]))
+    blocks = float(np.prod([x.shape[b] for b in batch])) if batch else 1.0
+    total += blocks * ns_steps * (4 * m * m * n + 2 * m ** 3)
+  return total
+
+
 def matmul_peak(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
   """Measured matmul FLOP/s of this process's default device: best of `repeats` jitted
   [n,n]@[n,n] products (after one compile-and-warm-up run)."""
@@ -163,7 +179,7 @@ class MetricsWriter:
     if self.tb is not None:
       for k, v in scalars.items():
         v = _py(v)
-        if isinstance(v, (int, float)) and math.isfinite(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
           self.tb.add_scalar(k, v, int(step))
 
   def close(self) -> None:

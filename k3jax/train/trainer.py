@@ -8,8 +8,9 @@ every `train.log_every` steps to DIR/metrics.jsonl + TensorBoard, evaluates ever
 resumes from the newest complete checkpoint in DIR. `until` stops early at a step (a
 simulated preemption: the schedule still spans `train.steps`).
 
-Mesh hook (issue 5): `jit_step(step_fn, state, batch) → jitted fn` may be passed to shard the
-step; by default the step is jitted on one device with the state donated.
+Mesh hook (issue 5): `train(..., jit_step=f)` with `f(step_fn) → jitted step` (e.g. a
+`jax.jit` with in/out shardings) shards the step; by default the step is jitted on one device
+with the state donated. The batch arrives as numpy arrays: `f` may place them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,7 @@ def train(cfg, workdir: str, *, until: int | None = None, jit_step=None,
   peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak()
   evals = data_lib.eval_batches(corpus, t.get("eval_batches", 2), t.batch_size, t.seq_len,
                                 cfg.seed) if t.eval_every else []
+  muon_fps = metrics_lib.muon_flops_per_step(state.params) if cfg.optim.muon else 0.0
   records = []
   show = t.get("progress", True) if progress is None else progress
   bar = None
@@ -170,14 +172,17 @@ def train(cfg, workdir: str, *, until: int | None = None, jit_step=None,
       if done % t.log_every == 0 or done == end:
         loss = float(m["loss"])
         dt = time.perf_counter() - t_since
-        tps = tokens_since / dt if tokens_since else float("nan")
+        tps = tokens_since / dt if tokens_since else None   # None: only the compile step
         seq = it.seq_len_at(step)
+        tokens_per_step = t.batch_size * seq
         fpt = metrics_lib.flops_per_token(config, state.params, seq,
                                           with_mtp=t.mtp_weight > 0)
         scalars = {"loss": loss, "ce": float(m["ce"]), "mtp_ce": float(m["mtp_ce"]),
                    "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-                   "tokens_per_s": tps, "mfu": tps * fpt / peak if tokens_since else
-                   float("nan"), "seq_len": seq, "tokens": done * t.batch_size * seq}
+                   "tokens_per_s": tps, "mfu": None if tps is None else tps * fpt / peak,
+                   "hfu": None if tps is None else (tps * fpt + tps / tokens_per_step
+                                                     * muon_fps) / peak,
+                   "seq_len": seq, "tokens": done * t.batch_size * seq}
         scalars.update(metrics_lib.router_metrics(jax.device_get(m["stats"])))
         if evals and (done % t.eval_every == 0 or done == end):
           scalars.update(evaluate(eval_fn, state.variables, evals))
@@ -185,8 +190,8 @@ def train(cfg, workdir: str, *, until: int | None = None, jit_step=None,
         records.append({"step": done, **scalars})
         tokens_since, t_since = 0, time.perf_counter()
         if bar is not None:
-          bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:.0f}",
-                          mfu=f"{100 * scalars['mfu']:.1f}%")
+          bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps or 0:.0f}",
+                          mfu=f"{100 * (scalars['mfu'] or 0):.1f}%")
       if bar is not None:
         bar.update(1)
       if t.checkpoint_every and (done % t.checkpoint_every == 0 or done == end):

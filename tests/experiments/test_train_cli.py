@@ -29,7 +29,8 @@ def _cmd(workdir, steps, *extra):
 def _env(cache):
   env = dict(os.environ)
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             PYTHONHASHSEED="0")      # same HLO in both processes: the cache hits
   env.pop("XLA_FLAGS", None)    # one device, as a user's run
   return env
 

@@ -102,7 +102,7 @@ def test_recurrent_matches_float64_loop():
 # ----------------------------------------------------------------------------- chunked
 
 
-@settings(max_examples=6)
+@settings(max_examples=4)
 @given(b=st.integers(1, 2), t=st.integers(1, 90), h=st.integers(1, 2),
        dk=st.sampled_from([8, 16]), dv=st.sampled_from([4, 8]),
        chunk=st.sampled_from([8, 16, 32]), bounded=st.booleans(), init=st.booleans(),

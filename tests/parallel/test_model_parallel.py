@@ -86,6 +86,10 @@ def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
 
   fn = jax.jit(step, in_shardings=(var_sh, b_sh),
                out_shardings=(var_sh["params"], None, sharding.batch_sharding(mesh, 3)))
+  # The layers took the hand-written parallel paths (k3jax/layers/backend.py hooks).
+  jaxpr = str(jax.make_jaxpr(step)(variables, batch))
+  assert ("all_to_all" in jaxpr) == (mesh.shape["expert"] > 1)
+  assert ("ppermute" in jaxpr) == (mesh.shape["context"] > 1)
   params, loss, logits = fn(sharding.put_batch(variables, var_sh), batch)
   _close(logits, ref_logits, "logits")
   _close(loss, ref_loss, "loss")

@@ -6,7 +6,8 @@ import pytest
 
 from k3jax.config import ModelConfig, preset
 
-# Moonshot's published Kimi-Linear-48B-A3B config.json (the keys that matter; layer lists 1-based).
+# Moonshot's Kimi-Linear-48B-A3B config.json as published (keys recalled from the public file, not
+# downloaded here: the keys that matter; layer lists 1-based).
 KIMI_LINEAR_48B = {
     "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
     "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27,

@@ -28,7 +28,6 @@ from k3jax.convert.safetensors_io import Source
 from k3jax.model import K3Model
 from k3jax.train.checkpoint import load_pretrained
 
-transformers = pytest.importorskip("transformers")
 
 
 def _hf_model(num_layers, full_attn, q_lora_rank, seed):
