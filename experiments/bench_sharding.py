@@ -21,6 +21,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import subprocess
@@ -109,6 +110,47 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int) -> dict:
       lower_s=t1 - t0, compile_s=t2 - t1)
 
 
+def state_part(num_devices: int) -> dict:
+  """Per-device bytes of the training state (params + optimizer state + router bias) under the
+  recommended layout, from the shardings' shard shapes on an AbstractMesh: no compile, no
+  devices. A lower bound of the compiled figure (no activations, gradients or temporaries)."""
+  import jax
+  import jax.numpy as jnp
+  import flax.linen as nn
+
+  from k3jax import sharding
+  from k3jax.model import K3Model
+  from k3jax.train import trainer
+  from k3jax.train.step import TrainState
+
+  layout = LAYOUTS[num_devices]
+  mesh = sharding.abstract_mesh(layout, num_devices)
+  config = _k3_config(4096)
+  rules = sharding.axis_rules(param_axes=PARAM_AXES)
+  tx, _, _, _ = trainer._build(trainer.base_config("tiny"), config, jit_step=lambda f: f)
+  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
+                         jnp.zeros((1, 8), jnp.int32))
+  variables = nn.unbox({c: boxed[c] for c in ("params", "balance")})
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
+                     balance=variables["balance"], opt_state=jax.eval_shape(tx.init, variables))
+  sh = sharding.train_state_shardings(mesh, state, boxed, rules)
+  gib = 2.0 ** 30
+
+  def per_device(tree, shs):
+    leaves = jax.tree.leaves(tree)
+    shs = jax.tree.leaves(shs, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+               for x, s in zip(leaves, shs)) / gib
+
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / gib
+  return dict(part="state", devices=num_devices, layout=layout, param_axes=list(PARAM_AXES),
+              params=int(sum(x.size for x in jax.tree.leaves(variables))),
+              state_gib_total=total,
+              params_gib_per_device=per_device(state.params, sh.params),
+              opt_gib_per_device=per_device(state.opt_state, sh.opt_state),
+              state_gib_per_device=per_device(state, sh))
+
+
 def ep_part(steps: int, batch_size: int, seq_len: int) -> dict:
   import jax
   import jax.numpy as jnp
@@ -163,7 +205,7 @@ def _subprocess(args: list[str], devices: int) -> dict:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--part", default="all", choices=("all", "memory", "ep"))
+  p.add_argument("--part", default="all", choices=("all", "memory", "state", "ep"))
   p.add_argument("--devices", type=int, default=0, help="memory part: 256 or 2048 (default both)")
   p.add_argument("--seq_len", type=int, default=4096, help="memory part: tokens per sequence")
   p.add_argument("--per_device_batch", type=int, default=1)
@@ -182,6 +224,9 @@ def main(argv=None):
     return
 
   results = []
+  if a.part in ("all", "state"):
+    for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
+      results.append(state_part(n))
   if a.part in ("all", "memory"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
       results.append(_subprocess(["--part", "memory", "--devices", str(n), "--seq_len",
@@ -200,6 +245,12 @@ def main(argv=None):
             f"{r['output_gib']:.1f} GiB (aliased {r['alias_gib']:.1f}), temporaries "
             f"{r['temp_gib']:.1f} GiB, peak ≈ {r['peak_gib']:.1f} GiB "
             f"(state total {r['state_gib_total']:.0f} GiB; compile {r['compile_s']:.0f} s)")
+    elif r["part"] == "state":
+      print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
+            f"{'+'.join(r['param_axes'])}): {r['params'] / 1e12:.4f}T params, state "
+            f"{r['state_gib_total']:.0f} GiB in all; per device: params "
+            f"{r['params_gib_per_device']:.2f} GiB + optimizer {r['opt_gib_per_device']:.2f} GiB"
+            f" = {r['state_gib_per_device']:.2f} GiB")
     else:
       print(f"small train step on 8 CPU devices, batch {r['batch_size']}x{r['seq_len']}:")
       print(f"  {'layout':32s} {'step s':>8s} {'tokens/s':>10s} {'compile s':>10s}")

@@ -13,8 +13,15 @@ import os
 
 from absl import app, flags
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with metrics.jsonl.")
-_OUT = flags.DEFINE_string("out", None, "Output directory (default: the run directory).")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  # Defined only when run as a script, so importing `plot_run` next to experiments.train
+  # (which also has --workdir) does not clash.
+  flags.DEFINE_string("workdir", None, "Run directory with metrics.jsonl.")
+  flags.DEFINE_string("out", None, "Output directory (default: the run directory).")
+  flags.mark_flags_as_required(["workdir"])
 
 
 def plot_run(workdir: str, out: str | None = None) -> list[str]:
@@ -76,10 +83,10 @@ def plot_run(workdir: str, out: str | None = None) -> list[str]:
 
 def main(argv):
   del argv
-  for f in plot_run(_WORKDIR.value, _OUT.value):
+  for f in plot_run(FLAGS.workdir, FLAGS.out):
     print(f)
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["workdir"])
+  _define_flags()
   app.run(main)

@@ -20,15 +20,21 @@ import os
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "runs/qb_study", "Output directory.")
-_STEPS = flags.DEFINE_integer("steps", 50, "Synthetic router steps.")
-_TOKENS = flags.DEFINE_integer("tokens", 4096, "Tokens per synthetic batch (m).")
-_EXPERTS = flags.DEFINE_integer("experts", 64, "Experts (n).")
-_K = flags.DEFINE_integer("k", 8, "Experts per token (k).")
-_GAMMA = flags.DEFINE_float("gamma", 1e-3, "Sign-rule step γ.")
-_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "Also train this many steps per method "
-                                    "(0: synthetic only).")
-_PRESET = flags.DEFINE_string("config_preset", "tiny", "Preset of the training comparison.")
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  # Defined only when run as a script (no clash with other entry points' flags on import).
+  flags.DEFINE_string("out", "runs/qb_study", "Output directory.")
+  flags.DEFINE_integer("steps", 50, "Synthetic router steps.")
+  flags.DEFINE_integer("tokens", 4096, "Tokens per synthetic batch (m).")
+  flags.DEFINE_integer("experts", 64, "Experts (n).")
+  flags.DEFINE_integer("k", 8, "Experts per token (k).")
+  flags.DEFINE_float("gamma", 1e-3, "Sign-rule step γ.")
+  flags.DEFINE_integer("train_steps", 0, "Also train this many steps per method "
+                       "(0: synthetic only).")
+  flags.DEFINE_string("config_preset", "tiny", "Preset of the training comparison.")
+
 
 METHODS = ("qb", "sign", "none")
 
@@ -114,30 +120,31 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv):
   del argv
-  os.makedirs(_OUT.value, exist_ok=True)
-  results = {"synthetic": synthetic(_STEPS.value, _TOKENS.value, _EXPERTS.value, _K.value,
-                                    _GAMMA.value)}
-  if _TRAIN_STEPS.value:
-    results["training"] = training(_TRAIN_STEPS.value, _PRESET.value, _OUT.value)
-  show = [s for s in (1, 2, 5, 10, 20, 50, 100, 200) if s <= _STEPS.value]
-  print(f"synthetic router: m={_TOKENS.value} tokens, n={_EXPERTS.value} experts, "
-        f"k={_K.value}; load CV (idle experts) after each step's bias update")
+  os.makedirs(FLAGS.out, exist_ok=True)
+  results = {"synthetic": synthetic(FLAGS.steps, FLAGS.tokens, FLAGS.experts, FLAGS.k,
+                                    FLAGS.gamma)}
+  if FLAGS.train_steps:
+    results["training"] = training(FLAGS.train_steps, FLAGS.config_preset, FLAGS.out)
+  show = [s for s in (1, 2, 5, 10, 20, 50, 100, 200) if s <= FLAGS.steps]
+  print(f"synthetic router: m={FLAGS.tokens} tokens, n={FLAGS.experts} experts, "
+        f"k={FLAGS.k}; load CV (idle experts) after each step's bias update")
   print("method | " + " | ".join(f"step {s}" for s in show))
   for method, v in results["synthetic"].items():
     print(f"{method:6s} | " + " | ".join(f"{v['cv'][s - 1]:.3f} ({v['idle'][s - 1]})"
                                         for s in show))
   if "training" in results:
-    print(f"training ({_PRESET.value}, {_TRAIN_STEPS.value} steps): mean load CV / idle "
+    print(f"training ({FLAGS.config_preset}, {FLAGS.train_steps} steps): mean load CV / idle "
           "experts, first → last logged step")
     for method, v in results["training"].items():
       print(f"{method:6s} | CV {v['cv'][0]:.3f} → {v['cv'][-1]:.3f} | idle {v['idle'][0]} → "
             f"{v['idle'][-1]} | loss {v['loss'][-1]:.3f}")
-  with open(os.path.join(_OUT.value, "qb_study.json"), "w") as f:
+  with open(os.path.join(FLAGS.out, "qb_study.json"), "w") as f:
     json.dump(results, f)
-  plot(results, os.path.join(_OUT.value, "qb_study.png"))
+  plot(results, os.path.join(FLAGS.out, "qb_study.png"))
   print(json.dumps({m: {"cv_step1": v["cv"][0], "cv_last": v["cv"][-1]}
                     for m, v in results["synthetic"].items()}))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -226,14 +226,10 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 # ----------------------------------------------------------------------------- chunked
 
 
-def _tile_masks(num_tiles: int, tile: int):
-  """Constant masks of the tiled decay computation (numpy-free, traced as constants)."""
-  t_idx = jnp.arange(tile)
+def _tile_masks(num_tiles: int):
+  """Constant tile-level masks of the chunk's decay computation."""
   a_idx = jnp.arange(num_tiles)
   return dict(
-      # [j, t]: t >= j (causal, inclusive) and t > j (strict), within a tile
-      incl=(t_idx[None, :] >= t_idx[:, None]).astype(jnp.float32),
-      strict=(t_idx[None, :] > t_idx[:, None]).astype(jnp.float32),
       # [a, b]: column tile b strictly before row tile a
       before=(a_idx[None, :] < a_idx[:, None]),
       # [a, b, c]: b < c < a (tiles strictly between b and a)
@@ -268,7 +264,7 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int):
   """
   *lead, c, dk = k.shape
   nt = c // tile
-  mk = _tile_masks(nt, tile)
+  mk = _tile_masks(nt)
   tiles = lambda x: x.reshape(*x.shape[:-2], nt, tile, x.shape[-1])
   qt, kt, gt = tiles(q), tiles(k), tiles(g)                        # [...,nt,ts,K]
 

@@ -8,8 +8,9 @@ Corpora (`load_corpus`). `"stdlib"`: the running Python's standard library sourc
 under `sysconfig.get_paths()["stdlib"]`, site-packages excluded, sorted by relative path). A
 path: a `.txt` file (one document), a `.jsonl` file (one document per line, field `text`), a
 `.npy` file of token ids (1-D, one pre-tokenized shard), or a directory / glob of those. Text
-documents go to the eval split when `md5(name) % 100 < eval_percent` (by file for `.txt` and the
-stdlib, by line number for `.jsonl`), so the split never depends on the order of discovery;
+documents go to the eval split when `md5(name) % 10000 < 100·eval_percent` (by file for
+`.txt` and the stdlib, by line number for `.jsonl`), so the split never depends on the order
+of discovery;
 `.npy` shards are already tokens, so their last `eval_percent`% of tokens form the eval split.
 
 Packing. Each text document becomes `[BOS] bytes [EOS]`; a split is the concatenation of its

@@ -129,6 +129,7 @@ def test_capacity_drops_are_counted():
 
 def test_bad_input():
   cfg = preset("tiny")
-  mod, v = _init(cfg, jnp.zeros((1, 2, cfg.d_model)))
+  mod = StableLatentMoE(cfg)
+  v = nn.unbox(jax.eval_shape(mod.init, jax.random.key(0), jnp.zeros((1, 2, cfg.d_model))))
   with pytest.raises(ValueError, match="StableLatentMoE: x must be"):
     mod.apply(v, jnp.zeros((2, cfg.d_model)))
