@@ -57,6 +57,9 @@ class ModelConfig:
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
   mla_output_gate: bool = True     # sigmoid(g_proj(x)) on the attention output
+  # q_a_layernorm / kv_a_layernorm eps: 1e-6 in Moonshot's and transformers' code (DeepSeek-V3's
+  # default), unlike the decoder norms' rms_norm_eps.
+  mla_latent_norm_eps: float = 1e-6
 
   # --- MLPs and Stable LatentMoE (§6)
   activation: Literal["situ", "swiglu"] = "situ"
@@ -198,6 +201,11 @@ class ModelConfig:
       bad("mla_last", "internal: last layer is not MLA")
     if self.kernel_backend not in ("xla", "pallas", "auto"):
       bad("kernel_backend", f"expected 'xla', 'pallas' or 'auto', found {self.kernel_backend!r}")
+    if self.kernel_backend == "pallas" and self.kda_lower_bound is None:
+      # The Pallas KDA kernel rescales by inverse decays inside 16-token tiles, which is only
+      # safe with a bounded gate (§3); "auto" falls back to XLA for unbounded gates instead.
+      bad("kernel_backend", "'pallas' needs a bounded KDA gate (kda_lower_bound); use 'xla' "
+          "or 'auto' for Kimi Linear's unbounded decay")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in ("float32", "bfloat16", "float16"):
         bad(f, f"expected 'float32', 'bfloat16' or 'float16', found {getattr(self, f)!r}")

@@ -8,6 +8,8 @@ and XLA on CPU.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 
@@ -19,16 +21,19 @@ def resolve(backend: str) -> str:
   return backend
 
 
-def kda_chunked_fn(backend: str):
+def kda_chunked_fn(backend: str, *, lower_bound: float | None = None, packed: bool = False):
   """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, ...)` for a backend.
 
+  The Pallas kernel relies on a bounded decay gate (g ≥ lower_bound, spec §3) and does not
+  take `segment_ids`: with an unbounded gate (Kimi Linear) or packed documents the XLA op is
+  used. (`ModelConfig` already rejects kernel_backend="pallas" with an unbounded gate.)
   Under `k3jax.sharding.activate(mesh)` with context > 1 the function runs context-parallel
   (k3jax/parallel/context.py); otherwise it is the op itself.
   """
   from k3jax.parallel.context import maybe_context_parallel
-  if resolve(backend) == "pallas":
+  if resolve(backend) == "pallas" and lower_bound is not None and not packed:
     from pallas_kernels.kda_chunk import kda_chunked_pallas
-    return maybe_context_parallel(kda_chunked_pallas)
+    return maybe_context_parallel(functools.partial(kda_chunked_pallas, lower_bound=lower_bound))
   from k3jax.ops.kda import kda_chunked
   return maybe_context_parallel(kda_chunked)
 

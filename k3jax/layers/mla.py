@@ -34,13 +34,13 @@ class MLA(nn.Module):
     h, dqk = cfg.num_heads, cfg.qk_head_dim
     if cfg.q_lora_rank is not None:
       self.q_a_proj = linear(cfg, cfg.q_lora_rank, ("embed", "q_latent"), name="q_a_proj")
-      self.q_a_layernorm = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="q_a_layernorm")
+      self.q_a_layernorm = RMSNorm(eps=cfg.mla_latent_norm_eps, axis_name="norm", name="q_a_layernorm")
       self.q_b_proj = linear(cfg, (h, dqk), ("q_latent", "heads", "head_dim"), name="q_b_proj")
     else:
       self.q_proj = linear(cfg, (h, dqk), ("embed", "heads", "head_dim"), name="q_proj")
     self.kv_a_proj_with_mqa = linear(cfg, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                      ("embed", "kv_latent"), name="kv_a_proj_with_mqa")
-    self.kv_a_layernorm = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="kv_a_layernorm")
+    self.kv_a_layernorm = RMSNorm(eps=cfg.mla_latent_norm_eps, axis_name="norm", name="kv_a_layernorm")
     self.kv_b_proj = linear(cfg, (h, cfg.qk_nope_head_dim + cfg.v_head_dim),
                             ("kv_latent", "heads", "head_dim"), name="kv_b_proj")
     if cfg.mla_output_gate:

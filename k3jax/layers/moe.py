@@ -104,7 +104,8 @@ class StableLatentMoE(nn.Module):
       u, dropped = backend.expert_mlp_fn()(
           z, weights, indices.astype(jnp.int32), w1.astype(compute), w3.astype(compute),
           w2.astype(compute), activation=cfg.activation, beta1=cfg.situ_beta1,
-          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t), method="sort")
+          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t),
+          method=backend.moe_method(cfg.kernel_backend))
     if latent:
       u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
           u.astype(jnp.float32))

@@ -22,11 +22,11 @@ def _np_mla(p, x, cfg, seg=None):
   if cfg.q_lora_rank is None:
     q = np.einsum("btd,dhk->bthk", x, p["q_proj"]["kernel"])
   else:
-    qa = _np_rms(x @ p["q_a_proj"]["kernel"], p["q_a_layernorm"]["weight"])
+    qa = _np_rms(x @ p["q_a_proj"]["kernel"], p["q_a_layernorm"]["weight"], eps=1e-6)
     q = np.einsum("btr,rhk->bthk", qa, p["q_b_proj"]["kernel"])
   kv = x @ p["kv_a_proj_with_mqa"]["kernel"]
   c, k_pe = kv[..., :cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
-  kvb = np.einsum("btl,lhk->bthk", _np_rms(c, p["kv_a_layernorm"]["weight"]),
+  kvb = np.einsum("btl,lhk->bthk", _np_rms(c, p["kv_a_layernorm"]["weight"], eps=1e-6),
                   p["kv_b_proj"]["kernel"])
   k_nope, v = kvb[..., :nope], kvb[..., nope:]
   scale = (nope + rope) ** -0.5

@@ -9,9 +9,8 @@ Known differences between transformers 5.24 and our model, handled explicitly he
   (its reverse rename of `.mlp.` is applied to every layer): a transformers bug; the converter
   reads those names as Moonshot's `mlp.*` (k3jax.convert.pipeline.normalize_names).
 - transformers' MLA latent norms (`q_a_layernorm`, `kv_a_layernorm`) use eps 1e-6 (the
-  DeepSeek-V3 default; Moonshot's code does the same), our MLA uses `rms_norm_eps` (1e-5).
-  The test compares against transformers as is; the difference is inside the tolerance for
-  these weights and is reported to the model owner.
+  DeepSeek-V3 default; Moonshot's code does the same), not `rms_norm_eps`: our
+  `ModelConfig.mla_latent_norm_eps` (1e-6) matches it.
 """
 
 import json
