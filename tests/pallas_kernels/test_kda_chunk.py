@@ -191,7 +191,8 @@ def test_unit_lower_inverse_by_doubling():
 
 # --------------------------------------------------------------------- contract and errors
 def test_backend_dispatches_to_kernel():
-  assert backend.kda_chunked_fn("pallas") is kda_chunked_pallas
+  fn = backend.kda_chunked_fn("pallas", lower_bound=-5.0)
+  assert fn.func is kda_chunked_pallas and fn.keywords == {"lower_bound": -5.0}
 
 
 def test_unbounded_gate_and_segments_are_rejected():
