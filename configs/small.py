@@ -2,7 +2,7 @@
 CPU (train + 1 eval + checkpoint + resume-able) in minutes.
 
 Why so few steps: Per-Head Muon's Newton–Schulz costs ~0.93 TFLOP per step for `small`
-(3 × 64 expert matrices × 8 MoE layers, 5 iterations each), independent of the batch — five
+(3 × 64 expert matrices × 7 MoE layers, 5 iterations each), independent of the batch — five
 times the model's own FLOPs at 1024 tokens/step. A 2-core CPU does a step in tens of seconds.
 Raise tokens per step (batch_size × seq_len) to amortise it (higher MFU), or steps to learn more.
 
