@@ -36,9 +36,13 @@ flags.DEFINE_integer("dim", 256, "expert input width D (the latent ℓ)")
 flags.DEFINE_integer("ffn", 256, "expert hidden width F")
 flags.DEFINE_integer("experts", 64, "E")
 flags.DEFINE_integer("k", 8, "experts per token")
-flags.DEFINE_float("capacity_factor", 1.25, "capacity factor of the extra `sort@cf` row")
 flags.DEFINE_integer("repeats", 5, "timed repeats (min is reported)")
-flags.DEFINE_list("methods", ["sort", "sort@cf", "gmm"], "methods timed at --tokens")
+flags.DEFINE_list("methods", ["sort", "sort@1.0", "sort@1.1", "sort@1.25", "gmm"],
+                  "methods timed at --tokens; sort@CF = the capacity-padded buffer with "
+                  "capacity factor CF (plain sort = dropless)")
+flags.DEFINE_string("headline", "sort@1.1",
+                    "the row reported as moe_ms / ratio in the JSON (the layout `small` "
+                    "trains with: configs/small.py sets model.moe_capacity_factor)")
 flags.DEFINE_list("small_methods", ["ragged", "reference"],
                   "methods timed at --small_tokens (on CPU ragged_dot materialises a masked "
                   "[E, rows, D] operand: ~18 GB temp for fwd+bwd at 4096 tokens)")
@@ -69,11 +73,60 @@ def _problem(n, d, f, e, k, seed=0):
   return x, weights, indices, w1, w3, w2
 
 
-def bench_experts(n, d, f, e, k, methods, cf, repeats):
+def _method(name, n, k, e):
+  """'sort@1.25' → ('sort', capacity for cf 1.25); other names → (name, None = dropless)."""
+  if "@" not in name:
+    return name, None
+  method, cf = name.split("@")
+  return method, moe.capacity(n, k, e, float(cf))
+
+
+def drop_fractions(n, e, k, names, seed=0):
+  """Fraction of (token, expert) pairs over capacity for each `sort@CF` name, under two
+  routings: the benchmark's (sigmoid of N(0,1) logits) and a skewed router (per-expert logit
+  offsets N(0, 0.5²)) after one Quantile Balancing step fitted on another batch."""
+  from k3jax.ops import balance
+  rng = np.random.default_rng(seed)
+  skew = rng.normal(size=e) * 0.5
+  def scores(logits):
+    return jnp.asarray(1 / (1 + np.exp(-logits)), jnp.float32)
+  fit = scores(rng.normal(size=(n, e)) + skew)
+  _, _, cutoff = moe.route(fit, jnp.zeros(e), k)
+  qb = balance.qb_bias_exact(fit, cutoff, k)
+  routings = {"bench": (_problem(n, 8, 8, e, k, seed)[2]),
+              "skewed_qb": moe.route(scores(rng.normal(size=(n, e)) + skew), qb, k)[1]}
+  out = {}
+  for name in names:
+    _, cap = _method(name, n, k, e)
+    if cap is None:
+      continue
+    out[name] = {}
+    for rname, idx in routings.items():
+      load = np.bincount(np.asarray(idx).ravel(), minlength=e)
+      out[name][rname] = float(np.maximum(load - cap, 0).sum() / (n * k))
+  return out
+
+
+def _time_round_robin(calls, repeats):
+  """{name: (min_ms, median_ms)}; calls {name: (fn, args, repeats)} are compiled first, then
+  timed in turns (A B C A B C …) so that drift of a shared machine hits all rows alike."""
+  for fn, args, _ in calls.values():
+    jax.block_until_ready(fn(*args))                 # compile + warm-up
+  ts = {name: [] for name in calls}
+  for i in range(max(r for _, _, r in calls.values())):
+    for name, (fn, args, r) in calls.items():
+      if i < r:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts[name].append(time.perf_counter() - t0)
+  return {name: (1e3 * min(v), 1e3 * float(np.median(v))) for name, v in ts.items()}
+
+
+def bench_experts(n, d, f, e, k, methods, repeats):
   """{name: (min_ms, median_ms)} for the expert MLP fwd+bwd and the dense reference."""
   x, weights, indices, w1, w3, w2 = _problem(n, d, f, e, k)
   probe = jnp.ones((n, d), jnp.float32) / n
-  res = {}
+  res, calls = {}, {}
 
   def moe_step(method, cap):
     # indices are an argument, not a closure constant (XLA would constant-fold the sort).
@@ -86,11 +139,9 @@ def bench_experts(n, d, f, e, k, methods, cf, repeats):
     if name == "gmm" and jax.default_backend() == "cpu":
       res[name] = None  # interpret mode on CPU: correctness only, timing meaningless
       continue
-    method, cap = name, None
-    if name == "sort@cf":
-      method, cap = "sort", moe.capacity(n, k, e, cf)
-    res[name] = _time(moe_step(method, cap), x, weights, w1, w3, w2, indices,
-                      repeats=1 if name == "reference" else repeats)
+    method, cap = _method(name, n, k, e)
+    calls[name] = (moe_step(method, cap), (x, weights, w1, w3, w2, indices),
+                   1 if name == "reference" else repeats)
 
   rng = np.random.default_rng(1)
   h = k * f
@@ -102,9 +153,10 @@ def bench_experts(n, d, f, e, k, methods, cf, repeats):
     y = moe.situ_glu(x @ d1, x @ d3) @ d2
     return jnp.sum(y * probe)
 
-  res["dense"] = _time(jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2, 3))),
-                       x, d1, d3, d2, repeats=repeats)
-  return res
+  calls["dense"] = (jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2, 3))),
+                    (x, d1, d3, d2), repeats)
+  timed = _time_round_robin(calls, repeats)
+  return {name: res[name] if name in res else timed[name] for name in [*methods, "dense"]}
 
 
 def bench_ragged_dot(n, d, f, e, k, repeats):
@@ -124,15 +176,16 @@ def bench_ragged_dot(n, d, f, e, k, repeats):
           "ragged_over_dense_time": t_r / t_d}
 
 
-def bench_layer(repeats):
-  """fwd+bwd ms of StableLatentMoE on the `small` preset, x [8, 512, d]; None if absent."""
+def bench_layer(repeats, capacity_factor):
+  """fwd+bwd ms of StableLatentMoE on the `small` preset with `capacity_factor`, x [8, 512, d];
+  None if absent."""
   try:
     from k3jax.config import preset
     from k3jax.layers.backend import moe_method
     from k3jax.layers.moe import StableLatentMoE
   except ImportError:
     return None, None
-  cfg = preset("small")
+  cfg = preset("small", moe_capacity_factor=capacity_factor)
   layer = StableLatentMoE(cfg)
   x = jax.random.normal(jax.random.PRNGKey(0), (8, 512, cfg.d_model), jnp.float32)
   variables = layer.init(jax.random.PRNGKey(1), x)
@@ -148,40 +201,48 @@ def bench_layer(repeats):
 
 def main(argv):
   del argv
+  if FLAGS.headline not in FLAGS.methods or FLAGS.headline == "gmm":
+    raise ValueError(f"--headline={FLAGS.headline!r} must be one of the timed --methods "
+                     f"{FLAGS.methods} (not gmm)")
   n, d, f, e, k = FLAGS.tokens, FLAGS.dim, FLAGS.ffn, FLAGS.experts, FLAGS.k
   load = os.getloadavg()[0]
   print(f"backend={jax.default_backend()} devices={jax.device_count()} cpus={os.cpu_count()} "
         f"load1={load:.1f}  N={n} D={d} F={f} E={e} k={k}  fp32, fwd+bwd")
-  res = bench_experts(n, d, f, e, k, FLAGS.methods, FLAGS.capacity_factor, FLAGS.repeats)
+  res = bench_experts(n, d, f, e, k, FLAGS.methods, FLAGS.repeats)
+  drops = drop_fractions(n, e, k, FLAGS.methods)
   dense = res["dense"][0]
   ns = FLAGS.small_tokens
-  small = bench_experts(ns, d, f, e, k, FLAGS.small_methods, FLAGS.capacity_factor,
-                        FLAGS.repeats) if FLAGS.small_methods else {}
-  print(f"{'method':<14}{'tokens':>8}{'min ms':>10}{'median ms':>12}{'× dense':>10}")
+  small = bench_experts(ns, d, f, e, k, FLAGS.small_methods,
+                       FLAGS.repeats) if FLAGS.small_methods else {}
+  print(f"{'method':<14}{'tokens':>8}{'min ms':>10}{'median ms':>12}{'× dense':>10}"
+        f"{'dropped (bench / skewed+QB router)':>38}")
   for tokens, table in ((n, res), (ns, small)):
     for name, v in table.items():
       if v is None:
         print(f"{name:<14}{tokens:>8}  skipped (Pallas interpret mode on CPU)")
         continue
-      print(f"{name:<14}{tokens:>8}{v[0]:>10.1f}{v[1]:>12.1f}{v[0] / table['dense'][0]:>10.2f}")
+      dr = drops.get(name) if tokens == n else None
+      dr = f"{100 * dr['bench']:.2f}% / {100 * dr['skewed_qb']:.2f}%" if dr else ""
+      print(f"{name:<14}{tokens:>8}{v[0]:>10.1f}{v[1]:>12.1f}{v[0] / table['dense'][0]:>10.2f}"
+            f"{dr:>38}")
   rd = bench_ragged_dot(min(n, 1024), d, f, e, k, FLAGS.repeats)
   print(f"ragged_dot {rd['ragged_dot_gflops']:.1f} GFLOP/s vs dense matmul "
         f"{rd['dense_matmul_gflops']:.1f} GFLOP/s ({rd['ragged_over_dense_time']:.1f}× the time)")
-  layer_ms, layer_method = bench_layer(FLAGS.repeats) if FLAGS.layer else (None, None)
+  head_cf = float(FLAGS.headline.split("@")[1]) if "@" in FLAGS.headline else None
+  layer_ms, layer_method = (bench_layer(FLAGS.repeats, head_cf) if FLAGS.layer
+                            else (None, None))
   if layer_ms is not None:
-    print(f"StableLatentMoE layer (small, x [8,512,512], method={layer_method}): "
-          f"{layer_ms:.1f} ms fwd+bwd")
-  from k3jax.layers.backend import moe_method
-  default = moe_method("auto")
-  default_name = default if res.get(default) is not None else "sort"
+    print(f"StableLatentMoE layer (small, x [8,512,512], method={layer_method}, capacity "
+          f"factor {head_cf}): {layer_ms:.1f} ms fwd+bwd")
+  head = FLAGS.headline
   out = {
-      "moe_ms": res[default_name][0], "dense_ms": dense, "ratio": res[default_name][0] / dense,
-      "method": default_name, "backend": jax.default_backend(), "load1": load,
+      "moe_ms": res[head][0], "dense_ms": dense, "ratio": res[head][0] / dense,
+      "method": head, "backend": jax.default_backend(), "load1": load,
       "shape": dict(tokens=n, dim=d, ffn=f, experts=e, k=k),
       "methods_ms": {m: (None if v is None else v[0]) for m, v in res.items()},
       "small_tokens": ns,
       "small_methods_ms": {m: (None if v is None else v[0]) for m, v in small.items()},
-      "capacity_factor": FLAGS.capacity_factor, **rd,
+      "dropped_fraction": drops, **rd,
       "layer_ms": layer_ms,
   }
   if FLAGS.json:

@@ -10,10 +10,11 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
   compute the same function:
     "reference"  every expert on every token, combined with a dense [N, E] weight matrix
                  (slow, E/k times the needed FLOPs, obviously correct);
-    "sort"       (token, slot) pairs sorted by expert into the smaller of two static layouts:
-                 a capacity-padded [E, C, D] buffer (batched dense einsums) or, when dropless
-                 makes that buffer E/k times too big, expert-aligned T-row tiles scanned with
-                 each tile's expert weights; gathered back and combined (the fast XLA path);
+    "sort"       (token, slot) pairs sorted by expert into one of two static layouts
+                 (`sort_layout`): a capacity-padded [E, C, D] buffer (batched dense einsums;
+                 the fast XLA path) or, when dropless makes that buffer E/k times too big,
+                 expert-aligned T-row tiles scanned with each tile's expert weights; moved
+                 there and back by `gather_rows` (gathers in both directions);
     "ragged"     `jax.lax.ragged_dot` over expert-sorted rows (dropless by construction);
     "gmm"        the Pallas grouped matmul of `pallas_kernels.moe_gmm` over expert-sorted rows.
 
@@ -125,20 +126,50 @@ def sort_pairs(indices: Array, num_experts: int) -> dict[str, Array]:
 
   Returns a dict of int32 arrays:
     order [P]: flat pair index (n·k + j) of each sorted row (P = N·k);
+    position [P]: sorted row of each flat pair (the inverse permutation of `order`);
     expert [P]: expert of each sorted row (non-decreasing);
     token [P]: token of each sorted row;
     group_sizes [E]: rows per expert; group_starts [E]: first sorted row of each expert;
     rank [P]: rank of each sorted row inside its expert (0 = first).
+  The inverse permutation is a second sort, not a scatter (scatters are slow on XLA:CPU).
   """
   n, k = indices.shape
   flat = indices.reshape(-1).astype(jnp.int32)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  position = jnp.argsort(order).astype(jnp.int32)
   expert = flat[order]
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
   group_starts = (jnp.cumsum(group_sizes) - group_sizes).astype(jnp.int32)
   rank = jnp.arange(n * k, dtype=jnp.int32) - group_starts[expert]
-  return dict(order=order, expert=expert, token=order // k, group_sizes=group_sizes,
-              group_starts=group_starts, rank=rank)
+  return dict(order=order, position=position, expert=expert, token=order // k,
+              group_sizes=group_sizes, group_starts=group_starts, rank=rank)
+
+
+@jax.custom_vjp
+def gather_rows(src: Array, index: Array, valid: Array, inv_index: Array,
+                inv_valid: Array) -> Array:
+  """Row gather whose transpose is a gather too (autodiff would emit a scatter-add).
+
+  out[r] = src[index[r]] where valid[r], else 0. src [S, D]; index, valid [R].
+  inv_index, inv_valid [S, m]: the (at most m) output rows that read source row s, so that
+  d src[s] = Σ_j inv_valid[s, j] · d out[inv_index[s, j]]. The caller guarantees the two maps
+  describe the same bipartite relation (every valid output row listed exactly once).
+  """
+  return jnp.where(valid[:, None], src[index], jnp.zeros((), src.dtype))
+
+
+def _gather_rows_fwd(src, index, valid, inv_index, inv_valid):
+  return gather_rows(src, index, valid, inv_index, inv_valid), (index, valid, inv_index,
+                                                               inv_valid)
+
+
+def _gather_rows_bwd(res, g):
+  index, valid, inv_index, inv_valid = res
+  d_src = jnp.sum(jnp.where(inv_valid[..., None], g[inv_index], jnp.zeros((), g.dtype)), axis=1)
+  return d_src, None, None, None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def _validate(x, weights, indices, w1, w3, w2, method, capacity_):
@@ -230,6 +261,23 @@ def _tile_rows(num_pairs: int, num_experts: int) -> int:
   return max(8, min(256, 1 << (t.bit_length() - 1)))
 
 
+def sort_layout(num_tokens: int, k: int, num_experts: int,
+                capacity_: int | None) -> tuple[str, int, int]:
+  """Layout of the "sort" method: ("buffer", E·C rows, C) or ("tiled", n_tiles·T rows, T).
+
+  A tile scan computes a row ~1.5x slower than the batched einsums of the buffer on CPU (small
+  matmuls, a weight-gradient update per step; docs/notes/moe.md), so the buffer is used unless
+  it has over twice the rows (dropless, C = N, it has E/k times the needed rows).
+  """
+  p = num_tokens * k
+  c = num_tokens if capacity_ is None else min(capacity_, num_tokens)
+  t = _tile_rows(p, num_experts)
+  num_tiles = (p + num_experts * (t - 1)) // t
+  if num_experts * c <= 2 * num_tiles * t:
+    return "buffer", num_experts * c, c
+  return "tiled", num_tiles * t, t
+
+
 def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
   """Sorted dispatch into the cheaper of two static layouts, then dense matmuls.
 
@@ -238,58 +286,66 @@ def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
   "tiled": each expert's rows padded to a multiple of T rows, tiles [n_tiles, T, D]; a scan
     over tiles multiplies each by its own expert's weights (dynamic index). Static bound
     n_tiles = ⌊(N·k + E·(T−1)) / T⌋ ≥ Σ_e ⌈size_e / T⌉, so it is dropless for any routing.
-  Both use gathers only in the forward pass (their transposes are the scatter-adds).
+  Both layouts are a one-to-one map between the kept pairs and the valid buffer rows, so
+  dispatch and combine are `gather_rows` both ways (no scatter in the backward pass), and
+  w1‖w3 run as one matmul of width 2F.
   """
   n, d = x.shape
   k = indices.shape[1]
-  e = w1.shape[0]
-  p = n * k
+  e, _, f = w1.shape
   c = n if capacity_ is None else min(capacity_, n)
-  t = _tile_rows(p, e)
-  num_tiles = (p + e * (t - 1)) // t
+  layout, num_rows, t = sort_layout(n, k, e, capacity_)
+  num_tiles = num_rows // t
   s = sort_pairs(indices, e)
-  # Rank of every original pair inside its expert (to read its result back).
-  inv = jnp.zeros((p,), jnp.int32).at[s["order"]].set(jnp.arange(p, dtype=jnp.int32))
-  pair_rank = s["rank"][inv]                                         # [P]
   pair_expert = indices.reshape(-1)
+  pair_rank = s["position"] - s["group_starts"][pair_expert]         # [P] rank in its expert
   keep = pair_rank < c
+  w13 = jnp.concatenate([w1, w3], axis=-1)                            # [E, D, 2F]
 
-  if e * c <= num_tiles * t:  # the capacity buffer has fewer rows
+  def mlp(rows, w13_, w2_, spec):
+    a = jnp.einsum(spec, rows, w13_)
+    return jnp.einsum(spec, act(a[..., :f], a[..., f:]).astype(x.dtype), w2_)
+
+  if layout == "buffer":
     r = jnp.arange(c, dtype=jnp.int32)
-    row = s["group_starts"][:, None] + r[None, :]                    # [E, C]
-    valid = r[None, :] < s["group_sizes"][:, None]
-    buf = jnp.where(valid[..., None], x[s["token"][jnp.where(valid, row, 0)]],
-                    jnp.zeros((), x.dtype))                          # [E, C, D]
-    h = act(jnp.einsum("ecd,edf->ecf", buf, w1), jnp.einsum("ecd,edf->ecf", buf, w3))
-    out = jnp.einsum("ecf,efd->ecd", h.astype(x.dtype), w2).reshape(e * c, d)
+    row_valid = r[None, :] < s["group_sizes"][:, None]               # [E, C]
+    row_sorted = s["group_starts"][:, None] + r[None, :]
     slot = pair_expert * c + pair_rank
-  else:  # tiled layout
+  else:
     tiles_per = (s["group_sizes"] + t - 1) // t                      # [E]
     tile_end = jnp.cumsum(tiles_per)
     tile_start = tile_end - tiles_per
     tid = jnp.arange(num_tiles, dtype=jnp.int32)
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, tid, side="right"), e - 1)
     r = (tid - tile_start[tile_expert])[:, None] * t + jnp.arange(t, dtype=jnp.int32)[None, :]
-    valid = (r < jnp.minimum(s["group_sizes"][tile_expert], c)[:, None]) & (
+    row_valid = (r < jnp.minimum(s["group_sizes"][tile_expert], c)[:, None]) & (
         tid < tile_end[-1])[:, None]                                 # [n_tiles, T]
-    row = jnp.where(valid, s["group_starts"][tile_expert][:, None] + r, 0)
-    buf = jnp.where(valid[..., None], x[s["token"][row]], jnp.zeros((), x.dtype))
+    row_sorted = s["group_starts"][tile_expert][:, None] + r
+    slot = tile_start[pair_expert] * t + pair_rank
+  row_valid = row_valid.reshape(-1)
+  row_pair = s["order"][jnp.where(row_valid, row_sorted.reshape(-1), 0)]   # [rows]
+  slot = jnp.where(keep, slot, 0)
+  buf = gather_rows(x, row_pair // k, row_valid, slot.reshape(n, k), keep.reshape(n, k))
 
+  if layout == "buffer":
+    out = mlp(buf.reshape(e, c, d), w13, w2, "ecd,edf->ecf").reshape(num_rows, d)
+  else:
     # One tile per scan step, its expert's weights read by a dynamic index: materialising
     # w[tile_expert] ([n_tiles, D, F] per weight, and its scatter-add in the backward pass)
     # measured ~1.5x slower on CPU than this loop (docs/notes/moe.md).
     def tile_mlp(_, inp):
       b, ex = inp
       pick = lambda w: jax.lax.dynamic_index_in_dim(w, ex, keepdims=False)
-      hh = act(b @ pick(w1), b @ pick(w3))
-      return None, hh.astype(x.dtype) @ pick(w2)
+      return None, mlp(b, pick(w13), pick(w2), "td,df->tf")
 
-    _, out = jax.lax.scan(tile_mlp, None, (buf, tile_expert))
-    out = out.reshape(num_tiles * t, d)
-    slot = tile_start[pair_expert] * t + pair_rank
-  # Combine: each pair reads its slot (if kept) and is weighted in fp32.
-  contrib = out[jnp.where(keep, slot, 0)].astype(jnp.float32).reshape(n, k, d)
-  y = jnp.einsum("nk,nkd->nd", jnp.where(keep.reshape(n, k), weights, 0.0), contrib)
+    _, out = jax.lax.scan(tile_mlp, None, (buf.reshape(num_tiles, t, d), tile_expert))
+    out = out.reshape(num_rows, d)
+  # Combine: each kept pair reads its row back, weighted in fp32.
+  contrib = gather_rows(out, slot, keep, row_pair[:, None], row_valid[:, None])
+  # A multiply-sum (fused elementwise) rather than an einsum: XLA:CPU runs the latter as N tiny
+  # [1,k]x[k,D] matmuls.
+  y = jnp.sum(jnp.where(keep.reshape(n, k), weights, 0.0)[..., None]
+              * contrib.astype(jnp.float32).reshape(n, k, d), axis=1)
   dropped = jnp.sum(~keep).astype(jnp.int32)
   return y.astype(x.dtype), dropped
 

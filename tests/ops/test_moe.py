@@ -155,14 +155,44 @@ def test_expert_mlp_matches_loop_reference(method, cap):
 
 
 def test_sort_tiled_layout_many_tiles_per_expert():
-  # Dropless with N·k=128 over 4 experts: the tiled layout (8-row tiles, ~4 per expert) is
-  # smaller than the [E, N, D] buffer, so this runs the tiled branch; capacity 20 the buffer.
-  x, w, idx, w1, w3, w2 = _problem(7, n=64, d=8, f=8, e=4, k=2)
-  for cap in (None, 20):
+  # Dropless with N·k=128 over 16 experts: 30 tiles of 8 rows (240 rows) against a [16, 64]
+  # buffer (1024 rows), so this runs the tiled branch; capacity 10 runs the buffer.
+  x, w, idx, w1, w3, w2 = _problem(7, n=64, d=8, f=8, e=16, k=2)
+  assert moe.sort_layout(64, 2, 16, None) == ("tiled", 240, 8)
+  assert moe.sort_layout(64, 2, 16, 10) == ("buffer", 160, 10)
+  for cap in (None, 10):
     y, dr = _mlp(x, w, idx, w1, w3, w2, capacity=cap, method="sort")
     y_ref, d_ref = _np_expert_mlp(x, w, idx, w1, w3, w2, cap)
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
     assert int(dr) == d_ref
+  assert d_ref > 0  # the capacity run really drops
+
+
+@settings(max_examples=10)
+@given(st.integers(1, 9), st.integers(1, 6), st.integers(0, 2**16), st.booleans())
+def test_gather_rows_value_and_transpose(num_src, m, seed, sparse):
+  # out[r] = src[index[r]] (valid rows); its custom VJP must equal autodiff of a plain gather.
+  rng = np.random.default_rng(seed)
+  src = jnp.asarray(rng.normal(size=(num_src, 3)), jnp.float32)
+  # A random relation: each source row is read by up to m output rows, each output row once.
+  reads = [(s, j) for s in range(num_src) for j in range(m) if not sparse or rng.random() < 0.5]
+  rows = rng.permutation(len(reads) + 2)            # 2 extra output rows stay invalid (zero)
+  num_out = len(reads) + 2
+  index = np.zeros(num_out, np.int32)
+  valid = np.zeros(num_out, bool)
+  inv_index = np.zeros((num_src, m), np.int32)
+  inv_valid = np.zeros((num_src, m), bool)
+  for (s, j), r in zip(reads, rows):
+    index[r], valid[r] = s, True
+    inv_index[s, j], inv_valid[s, j] = r, True
+  args = tuple(map(jnp.asarray, (index, valid, inv_index, inv_valid)))
+  probe = jnp.asarray(rng.normal(size=(num_out, 3)), jnp.float32)
+  out = moe.gather_rows(src, *args)
+  expect = np.where(valid[:, None], np.asarray(src)[index], 0.0)
+  np.testing.assert_array_equal(out, expect)
+  g = jax.grad(lambda s: jnp.sum(moe.gather_rows(s, *args) * probe))(src)
+  g_ref = jax.grad(lambda s: jnp.sum(jnp.where(args[1][:, None], s[args[0]], 0.0) * probe))(src)
+  np.testing.assert_allclose(g, g_ref, rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=6)
@@ -179,9 +209,12 @@ def test_sort_equals_reference_random_shapes(n, e, seed, data):
   assert int(dr) == d_ref
 
 
-@pytest.mark.parametrize("cap,methods", [(None, ("sort",)), (4, ("sort", "ragged", "gmm"))])
-def test_expert_mlp_gradients_agree(cap, methods):
-  x, w, idx, w1, w3, w2 = _problem(1, n=24, d=6, f=5, e=4, k=2)
+@pytest.mark.parametrize("cap,methods,e", [(None, ("sort",), 4), (None, ("sort",), 16),
+                                           (4, ("sort", "ragged", "gmm"), 4)])
+def test_expert_mlp_gradients_agree(cap, methods, e):
+  # e=4: buffer layout; e=16 dropless: tiled layout.
+  assert moe.sort_layout(24, 2, e, cap)[0] == ("tiled" if e == 16 else "buffer")
+  x, w, idx, w1, w3, w2 = _problem(1, n=24, d=6, f=5, e=e, k=2)
   probe = jnp.asarray(np.random.default_rng(9).normal(size=x.shape), jnp.float32)
 
   def loss(method):
@@ -192,7 +225,7 @@ def test_expert_mlp_gradients_agree(cap, methods):
 
   g_ref = loss("reference")
   # The loop reference's derivative wrt the combine weights is the expert output itself.
-  for method in methods:  # dropless "sort" runs its tiled layout here, capacity 4 the buffer
+  for method in methods:
     g = loss(method)
     for a, b in zip(g, g_ref):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
