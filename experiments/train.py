@@ -48,7 +48,10 @@ def mesh_jit_step(cfg):
     return None
   config = model_config(cfg)
   mesh = sharding.make_mesh(mesh_cfg)
-  sharding.check_shapes(config, mesh, batch_size=cfg.train.batch_size,
+  accum = cfg.train.get("grad_accum", 1)
+  micro = cfg.train.batch_size // accum if cfg.train.batch_size % accum == 0 else None
+  # Each micro-batch is split over the batch axes (validate() names an indivisible grad_accum).
+  sharding.check_shapes(config, mesh, batch_size=micro if micro else cfg.train.batch_size,
                         seq_len=cfg.train.seq_len)
   rules = sharding.axis_rules(fsdp_over_data=bool(mesh_cfg.get("fsdp_over_data", False))
                               if mesh_cfg is not None else False)

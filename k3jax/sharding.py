@@ -30,6 +30,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k3jax.tree_paths import key_names
+
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 # Mesh axes that split the batch of tokens (the expert axis is a batch axis outside the MoE).
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -262,16 +264,6 @@ def param_shardings(mesh: Mesh, abstract_tree: Any,
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _key_names(path) -> tuple[str, ...]:
-  names = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        names.append(str(getattr(k, attr)))
-        break
-  return tuple(names)
-
-
 def opt_state_shardings(mesh: Mesh, abstract_opt_state: Any, params: Any,
                         param_sh: Any) -> Any:
   """Optimizer state sharded like the params it mirrors; everything else replicated.
@@ -287,10 +279,10 @@ def opt_state_shardings(mesh: Mesh, abstract_opt_state: Any, params: Any,
     raise ValueError(f"param_sh: expected {len(flat_p)} shardings (one per param), "
                      f"found {len(flat_s)}")
   for (path, leaf), sh in zip(flat_p, flat_s):
-    table[_key_names(path)] = (tuple(leaf.shape), sh)
+    table[key_names(path)] = (tuple(leaf.shape), sh)
 
   def one(path, leaf):
-    names = _key_names(path)
+    names = key_names(path)
     for start in range(len(names)):
       hit = table.get(names[start:])
       if hit is not None and hit[0] == tuple(getattr(leaf, "shape", ())):

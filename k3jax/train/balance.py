@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k3jax.train.optim import path_str
+from k3jax.tree_paths import path_str
 
 BIAS_NAME = "e_score_correction_bias"
 METHODS = ("qb", "sign", "none")

@@ -7,11 +7,16 @@ vocabularies both hold them; a model's extra ids are simply never produced.
 Corpora (`load_corpus`). `"stdlib"`: the running Python's standard library sources (every `*.py`
 under `sysconfig.get_paths()["stdlib"]`, site-packages excluded, sorted by relative path). A
 path: a `.txt` file (one document), a `.jsonl` file (one document per line, field `text`), a
-`.npy` file of token ids (1-D, one pre-tokenized shard), or a directory / glob of those. Text
+`.npy` file of token ids (1-D, one pre-tokenized shard), an `.array_record` file (one
+pre-tokenized document per record: the bytes of `np.save` of a 1-D integer array; needs the
+optional `array-record` package), or a directory / glob of those. Text
 documents go to the eval split when `md5(name) % 10000 < 100·eval_percent` (by file for
 `.txt` and the stdlib, by line number for `.jsonl`), so the split never depends on the order
 of discovery;
-`.npy` shards are already tokens, so their last `eval_percent`% of tokens form the eval split.
+`.npy` shards are already tokens, so their last `eval_percent`% of tokens form the eval split;
+array-record documents are split by record like `.jsonl` lines (name `path:index`) and used as
+they are (no BOS/EOS added: a tokenizer's own markers are the caller's). Token streams are
+stored as uint16 when the vocabulary fits, else uint32.
 
 Packing. Each text document becomes `[BOS] bytes [EOS]`; a split is the concatenation of its
 documents: one token stream. A batch row is a window of `T + 2` consecutive stream tokens `w`:
@@ -34,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -105,7 +111,7 @@ def stdlib_files() -> list[tuple[str, pathlib.Path]]:
 @dataclasses.dataclass(frozen=True)
 class Corpus:
   """Token streams of the two splits and where they came from."""
-  train: np.ndarray      # [N] int32 (uint16 storage is widened on read)
+  train: np.ndarray      # [N] uint16 or uint32 (by vocabulary size), widened on read
   eval: np.ndarray       # [M]
   source: str
   num_docs: tuple[int, int]
@@ -117,23 +123,62 @@ class Corpus:
             "eval_tokens": int(len(self.eval)), "sample_md5": h.hexdigest()}
 
 
-def _stream(docs: Sequence[np.ndarray]) -> np.ndarray:
+def _token_dtype(vocab_size: int):
+  return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def _stream(docs: Sequence[np.ndarray], dtype) -> np.ndarray:
   if not docs:
-    return np.zeros([0], np.uint16)
-  return np.concatenate(docs).astype(np.uint16)
+    return np.zeros([0], dtype)
+  return np.concatenate(docs).astype(dtype)
+
+
+ARRAY_RECORD_SUFFIX = ".array_record"
+
+
+def _read_array_record(path: str) -> list[tuple[str, np.ndarray]]:
+  """(name "path:index", 1-D integer token array) per record of an array-record file."""
+  try:
+    from array_record.python.array_record_module import ArrayRecordReader
+  except ImportError:
+    raise ValueError(f"data.source: {path!r} is an array-record file; install the optional "
+                     f"`array-record` package (pip install 'k3jax[data]')") from None
+  try:
+    reader = ArrayRecordReader(path)
+    records = reader.read_all()
+    reader.close()
+  except Exception as e:  # noqa: BLE001 - any unreadable file is a user error
+    raise ValueError(f"data.source: cannot read array-record file {path!r}: {e}") from None
+  docs = []
+  for i, rec in enumerate(records):
+    try:
+      arr = np.load(io.BytesIO(rec), allow_pickle=False)
+    except Exception as e:  # noqa: BLE001
+      raise ValueError(f"data.source: {path} record {i} is not an np.save'd array ({e})") from None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"data.source: {path} record {i} expected a 1-D integer array, found "
+                       f"{arr.dtype}{list(arr.shape)}")
+    docs.append((f"{path}:{i}", arr))
+  return docs
+
+
+def _check_ids(arr: np.ndarray, what: str, vocab_size: int) -> None:
+  if arr.size and (int(arr.max()) >= vocab_size or int(arr.min()) < 0):
+    raise ValueError(f"data.source: {what} has ids outside [0, {vocab_size})")
 
 
 def _read_text_docs(source: str) -> list[tuple[str, bytes]]:
   """(name, bytes) of the documents behind a user path (file, directory or glob)."""
   if os.path.isdir(source):
     paths = sorted(str(p) for p in pathlib.Path(source).rglob("*")
-                   if p.suffix in (".txt", ".jsonl", ".npy") and p.is_file())
+                   if p.suffix in (".txt", ".jsonl", ".npy", ARRAY_RECORD_SUFFIX)
+                   and p.is_file())
   elif any(c in source for c in "*?["):
     paths = sorted(glob.glob(source, recursive=True))
   else:
     paths = [source]
   if not paths:
-    raise ValueError(f"data.source={source!r}: no .txt/.jsonl/.npy files found")
+    raise ValueError(f"data.source={source!r}: no .txt/.jsonl/.npy/.array_record files found")
   docs = []
   for p in paths:
     if not os.path.isfile(p) or not os.access(p, os.R_OK):
@@ -154,6 +199,8 @@ def _read_text_docs(source: str) -> list[tuple[str, bytes]]:
           docs.append((f"{p}:{n}", rec["text"].encode("utf-8")))
     elif suffix == ".npy":
       docs.append((p, None))  # marker: pre-tokenized shard
+    elif suffix == ARRAY_RECORD_SUFFIX:
+      docs.extend(_read_array_record(p))  # pre-tokenized documents (arrays)
     else:
       with open(p, "rb") as f:
         docs.append((p, f.read()))
@@ -180,12 +227,17 @@ def load_corpus(source: str = "stdlib", eval_percent: float = 2.0,
         continue  # an unreadable stdlib file is skipped, never fatal
   else:
     named = _read_text_docs(source)
+  dtype = _token_dtype(vocab_size)
   train, evals, shards = [], [], []
   for name, data in named:
     if data is None:
       shards.append(name)
       continue
-    doc = np.concatenate([[BOS], np.frombuffer(data, np.uint8), [EOS]]).astype(np.uint16)
+    if isinstance(data, np.ndarray):     # a pre-tokenized document
+      _check_ids(data, f"record {name!r}", vocab_size)
+      doc = data.astype(dtype)
+    else:
+      doc = np.concatenate([[BOS], np.frombuffer(data, np.uint8), [EOS]]).astype(dtype)
     (evals if _in_eval(name, eval_percent) else train).append(doc)
   for p in shards:
     try:
@@ -195,12 +247,11 @@ def load_corpus(source: str = "stdlib", eval_percent: float = 2.0,
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"data.source: shard {p!r} expected a 1-D integer array, found "
                        f"{arr.dtype}{list(arr.shape)}")
-    if arr.size and (int(arr.max()) >= vocab_size or int(arr.min()) < 0):
-      raise ValueError(f"data.source: shard {p!r} has ids outside [0, {vocab_size})")
+    _check_ids(arr, f"shard {p!r}", vocab_size)
     cut = len(arr) - int(len(arr) * eval_percent / 100)
-    train.append(np.asarray(arr[:cut], np.uint16))
-    evals.append(np.asarray(arr[cut:], np.uint16))
-  corpus = Corpus(train=_stream(train), eval=_stream(evals), source=source,
+    train.append(np.asarray(arr[:cut], dtype))
+    evals.append(np.asarray(arr[cut:], dtype))
+  corpus = Corpus(train=_stream(train, dtype), eval=_stream(evals, dtype), source=source,
                   num_docs=(len(train), len(evals)))
   _CORPUS_CACHE[key] = corpus
   return corpus

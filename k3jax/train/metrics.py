@@ -108,7 +108,8 @@ def load_stats(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def router_metrics(flat: dict[str, Any]) -> dict[str, float]:
   """Per-layer scalars from `flat_stats`: expert-load CV / idle experts (`moe/<layer>/...`),
-  dropped tokens, and the max attention logit (overall and per MLA layer)."""
+  dropped tokens (per layer, and `dropped_fraction` of all routed pairs), and the max attention
+  logit (overall and per MLA layer)."""
   out: dict[str, float] = {}
   max_logits = []
   for key, v in sorted(flat.items()):
@@ -128,6 +129,10 @@ def router_metrics(flat: dict[str, Any]) -> dict[str, float]:
       max_logits.append(float(v.max()))
   if max_logits:
     out["max_attn_logit"] = max(max_logits)
+  routed = sum(float(np.asarray(v).sum()) for k, v in flat.items() if k.endswith("/load"))
+  if routed:   # (token, expert) pairs over capacity, as a fraction of all routed pairs
+    out["dropped_fraction"] = sum(
+        v for k, v in out.items() if k.endswith("/dropped")) / routed
   cvs = [v for k, v in out.items() if k.endswith("/load_cv")]
   if cvs:
     out["load_cv_mean"] = float(np.mean(cvs))

@@ -34,22 +34,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from k3jax.tree_paths import path_str
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 ADAM_NAMES = ("A_log", "dt_bias", "proj", "weight")   # leaf names that are vectors/norms
 ADAM_MODULES = ("embed_tokens", "lm_head")
-
-
-def path_str(path) -> str:
-  """A jax key path → "a/b/c" (dict keys, attributes and sequence indices)."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
 
 
 def _is_scanned(path: str) -> bool:

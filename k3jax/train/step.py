@@ -1,10 +1,14 @@
 """The train step: a pure function of (state, batch) → (state, metrics), ready for jax.jit.
 
 loss = CE(logits, targets; loss_mask) + mtp_weight · CE(mtp_logits, mtp_targets; mtp_mask)
-(token means, fp32). One step: forward with the current router bias (sowing "stats") →
-grads → optimizer update of {"params", "balance"} (Muon/AdamW for params; Quantile Balancing
+(token means over the whole batch, fp32). One step: forward with the current router bias
+(sowing "stats") → grads → optimizer update of {"params", "balance"} (Muon/AdamW for params; Quantile Balancing
 sets the bias from this forward's stats, for the next step) → QK-Clip of the MLA heads whose
-max logit exceeded τ. Shardings are the caller's business: jit the returned function with
+max logit exceeded τ. With `grad_accum=G` the batch is split into G micro-batches along its
+batch axis, run one after another (`lax.scan`: activations of one micro-batch at a time), their
+gradients and statistics summed (`max_logit`: max) and the optimizer applied once — the same
+update as the whole batch at once (each micro-batch's CE is divided by the whole batch's token
+count). Shardings are the caller's business: jit the returned function with
 `in_shardings`/`out_shardings` (the mesh hook, issue 5); nothing here names a mesh axis.
 """
 
@@ -72,33 +76,83 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
 
-def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float):
-  """Scalar loss and aux (ce, mtp_ce, flat stats) for one batch (module doc)."""
+def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float, denominators=None):
+  """Scalar loss and aux (ce, mtp_ce, flat stats) for one batch (module doc).
+
+  `denominators` = (tokens, mtp tokens) to divide the CE sums by (default: this batch's own
+  masked token counts; a micro-batch passes the whole batch's)."""
   use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
   out, mut = _model(config).apply(
       {"params": params, "balance": balance}, batch["inputs"],
       segment_ids=batch["segment_ids"], return_mtp=use_mtp, mutable=["stats"])
   logits, mtp_logits = out if use_mtp else (out, None)
-  s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-  ce = s / jnp.maximum(n, 1.0)
+  n_all, n2_all = denominators if denominators is not None else _token_counts(batch, use_mtp)
+  s, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  ce = s / n_all
   loss, mtp_ce = ce, jnp.zeros([], jnp.float32)
   if use_mtp:
     t = mtp_logits.shape[1]
-    s2, n2 = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], batch["mtp_mask"][:, :t])
-    mtp_ce = s2 / jnp.maximum(n2, 1.0)
+    s2, _ = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], batch["mtp_mask"][:, :t])
+    mtp_ce = s2 / n2_all
     loss = ce + mtp_weight * mtp_ce
   return loss, (ce, mtp_ce, flat_stats(mut.get("stats", {})))
 
 
+def _token_counts(batch, use_mtp: bool):
+  """(max(1, Σ loss_mask), max(1, Σ mtp_mask over the MTP positions)) in fp32."""
+  n = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+  if not use_mtp:
+    return n, jnp.ones([], jnp.float32)
+  # The MTP head predicts t+2 from positions 0 … T−2 (its logits are one shorter).
+  t = batch["inputs"].shape[1] - 1
+  return n, jnp.maximum(jnp.sum(batch["mtp_mask"][:, :t].astype(jnp.float32)), 1.0)
+
+
+def _merge_stats(a: dict, b: dict) -> dict:
+  """Statistics of two micro-batches → those of both: counts add, max logits take the max."""
+  return {key: jnp.maximum(a[key], b[key]) if key.endswith("/max_logit") else a[key] + b[key]
+          for key in a}
+
+
+def accumulated_grads(params, balance, batch, config: ModelConfig, mtp_weight: float,
+                      grad_accum: int):
+  """((loss, (ce, mtp_ce, stats)), grads) of the whole batch, computed over `grad_accum`
+  micro-batches in a `lax.scan` (module doc). `grad_accum=1` is one plain value_and_grad."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
+  counts = _token_counts(batch, use_mtp)
+  if grad_accum == 1:
+    return grad_fn(params, balance, batch, config, mtp_weight, counts)
+  b = batch["inputs"].shape[0]
+  if b % grad_accum:
+    raise ValueError(f"grad_accum={grad_accum} must divide the batch size {b}")
+  micro = jax.tree.map(lambda x: x.reshape(grad_accum, b // grad_accum, *x.shape[1:]), batch)
+  first = jax.tree.map(lambda x: x[0], micro)
+  # The first micro-batch seeds the accumulators (their structure comes from the model).
+  out0, g0 = grad_fn(params, balance, first, config, mtp_weight, counts)
+
+  def body(carry, mb):
+    (loss, (ce, mtp_ce, stats)), grads = carry
+    (l2, (c2, m2, s2)), g2 = grad_fn(params, balance, mb, config, mtp_weight, counts)
+    return ((loss + l2, (ce + c2, mtp_ce + m2, _merge_stats(stats, s2))),
+            jax.tree.map(jnp.add, grads, g2)), None
+
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (out, grads), _ = jax.lax.scan(body, (out0, g0), rest)
+  return out, grads
+
+
 def make_train_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs, *,
                     mtp_weight: float = 0.3, qk_clip_tau: float | None = 100.0,
-                    schedule: Callable | None = None):
-  """train_step(state, batch) → (state, metrics); pure, jit it (donate the state)."""
+                    schedule: Callable | None = None, grad_accum: int = 1):
+  """train_step(state, batch) → (state, metrics); pure, jit it (donate the state).
+  `grad_accum` micro-batches per optimizer step (module doc; must divide the batch size)."""
+  if not isinstance(grad_accum, int) or grad_accum < 1:
+    raise ValueError(f"grad_accum: expected a positive int, found {grad_accum!r}")
 
   def train_step(state: TrainState, batch: dict):
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, (ce, mtp_ce, stats)), grads = grad_fn(state.params, state.balance, batch, config,
-                                                mtp_weight)
+    (loss, (ce, mtp_ce, stats)), grads = accumulated_grads(
+        state.params, state.balance, batch, config, mtp_weight, grad_accum)
     variables = state.variables
     zero_b = jax.tree.map(jnp.zeros_like, state.balance)
     updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,

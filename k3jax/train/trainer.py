@@ -79,9 +79,15 @@ def validate(cfg, config: ModelConfig) -> None:
        f"the byte tokenizer needs >= {data_lib.NUM_BYTES + data_lib.NUM_SPECIAL}, found "
        f"{config.vocab_size}")
   data_lib.parse_curriculum(t.curriculum)
+  accum = t.get("grad_accum", 1)
+  need(isinstance(accum, int) and accum > 0, "train.grad_accum",
+       f"expected a positive int, found {accum!r}")
+  need(t.batch_size % accum == 0, "train.batch_size",
+       f"must be divisible by train.grad_accum={accum} (micro-batches), found {t.batch_size}")
   n_dev = jax.device_count() if cfg.train.get("data_parallel", False) else 1
-  need(t.batch_size % n_dev == 0, "train.batch_size",
-       f"must be divisible by the {n_dev} data-parallel devices, found {t.batch_size}")
+  need((t.batch_size // accum) % n_dev == 0, "train.batch_size",
+       f"each of the {accum} micro-batches (batch_size / grad_accum = "
+       f"{t.batch_size // accum}) must be divisible by the {n_dev} data-parallel devices")
 
 
 def _signature(cfg) -> dict:
@@ -98,7 +104,9 @@ def _build(cfg, config: ModelConfig, jit_step=None):
   """(tx, schedule, jitted train step, jitted eval step), cached per process so an in-process
   resume reuses the compiled step."""
   o = cfg.optim
-  key = (config, cfg.train.steps, cfg.train.mtp_weight, json.dumps(o.to_dict(), sort_keys=True),
+  accum = cfg.train.get("grad_accum", 1)
+  key = (config, cfg.train.steps, cfg.train.mtp_weight, accum,
+         json.dumps(o.to_dict(), sort_keys=True),
          json.dumps(cfg.balance.to_dict(), sort_keys=True), jit_step)
   if key in _STEPS:
     return _STEPS[key]
@@ -109,7 +117,7 @@ def _build(cfg, config: ModelConfig, jit_step=None):
                       adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
                       clip_norm=o.get("clip_norm", 0.0))
   step_fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight,
-                            qk_clip_tau=o.qk_clip_tau, schedule=schedule)
+                            qk_clip_tau=o.qk_clip_tau, schedule=schedule, grad_accum=accum)
   jitted = jit_step(step_fn) if jit_step else jax.jit(step_fn, donate_argnums=0)
   out = (tx, schedule, jitted, jax.jit(make_eval_step(config)))
   _STEPS[key] = out
@@ -248,7 +256,7 @@ def base_config(preset_name: str = "tiny"):
   model["qb_range"] = tuple(model["qb_range"])
   c.model = ml_collections.ConfigDict({"preset": preset_name, **model})
   c.train = ml_collections.ConfigDict(dict(
-      steps=300, batch_size=8, seq_len=128, checkpoint_every=100, eval_every=100,
+      steps=300, batch_size=8, grad_accum=1, seq_len=128, checkpoint_every=100, eval_every=100,
       eval_batches=2, log_every=10, mtp_weight=0.3, max_to_keep=3, curriculum="",
       progress=True, tensorboard=True, async_checkpoint=True, peak_flops=0.0,
       data_parallel=False))

@@ -55,6 +55,43 @@ def test_user_text_jsonl_npy_and_split(tmp_path):
   assert len(c3.train) == 900 and c3.eval.tolist() == (np.arange(900, 1000) % 256).tolist()
 
 
+def _write_array_record(path, arrays_or_bytes):
+  import io
+  from array_record.python.array_record_module import ArrayRecordWriter
+  w = ArrayRecordWriter(str(path), "group_size:1")
+  for a in arrays_or_bytes:
+    if isinstance(a, bytes):
+      w.write(a)
+    else:
+      b = io.BytesIO()
+      np.save(b, a)
+      w.write(b.getvalue())
+  w.close()
+
+
+def test_array_record_documents_split_by_record_and_large_vocab(tmp_path):
+  # 40 pre-tokenized documents with ids above 65535 (a real tokenizer's vocabulary): every
+  # document lands whole in one split, ids intact (uint32 storage when the vocab needs it).
+  docs = [np.arange(i, i + 5 + i % 7, dtype=np.int64) * 1000 + 70_000 for i in range(40)]
+  _write_array_record(tmp_path / "toks.array_record", docs)
+  c = D.load_corpus(str(tmp_path), eval_percent=25.0, vocab_size=163_840)
+  assert c.train.dtype == np.uint32 and sum(c.num_docs) == 40 and 0 < c.num_docs[1] < 40
+  want_eval = [d for i, d in enumerate(docs)
+               if D._in_eval(f"{tmp_path / 'toks.array_record'}:{i}", 25.0)]
+  want_train = [d for d in docs if not any(d is e for e in want_eval)]
+  np.testing.assert_array_equal(c.eval, np.concatenate(want_eval))
+  np.testing.assert_array_equal(c.train, np.concatenate(want_train))
+  # The iterator reads the wide ids back unchanged.
+  it = D.DataIterator(c, batch_size=2, seq_len=4, seed=0)
+  assert int(next(it)["inputs"].max()) >= 70_000
+  with pytest.raises(ValueError, match="outside"):
+    D.load_corpus(str(tmp_path / "toks.array_record"), vocab_size=512)
+  (tmp_path / "bad").mkdir()
+  _write_array_record(tmp_path / "bad" / "x.array_record", [b"not an array"])
+  with pytest.raises(ValueError, match="record 0 is not an np.save'd array"):
+    D.load_corpus(str(tmp_path / "bad" / "x.array_record"))
+
+
 def test_bad_sources(tmp_path):
   with pytest.raises(ValueError, match="cannot read"):
     D.load_corpus(str(tmp_path / "missing.txt"))

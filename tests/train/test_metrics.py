@@ -21,6 +21,7 @@ def test_router_metrics_values():
   assert m["moe/body/layers_0/block_sparse_moe_0/load_cv"] == 0.0
   assert m["moe/body/layers_0/block_sparse_moe_1/idle_experts"] == 3
   assert m["moe/layers_1/block_sparse_moe/dropped"] == 5
+  assert m["dropped_fraction"] == pytest.approx(5 / (8 + 8 + 8))   # over all routed pairs
   assert m["max_attn_logit"] == 7.5 and m["idle_experts_total"] == 4
   names, mat = M.load_matrix(flat)
   assert mat.shape == (3, 4) and names[0] == "body/layers_0/block_sparse_moe_0"

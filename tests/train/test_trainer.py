@@ -85,6 +85,10 @@ def test_bad_inputs_fail_before_compute(tmp_path, straight):
     train(_cfg(**{"train.batch_size": 0}), str(tmp_path / "a"))
   with pytest.raises(ValueError, match="train.seq_len"):
     train(_cfg(**{"train.seq_len": 10 ** 9}), str(tmp_path / "b"))
+  with pytest.raises(ValueError, match=r"train.batch_size: must be divisible by train.grad_accum=3"):
+    train(_cfg(**{"train.grad_accum": 3}), str(tmp_path / "b2"))
+  with pytest.raises(ValueError, match="train.grad_accum"):
+    train(_cfg(**{"train.grad_accum": 0}), str(tmp_path / "b3"))
   with pytest.raises(ValueError, match="cannot read"):
     train(_cfg(**{"data.source": str(tmp_path / "missing.txt")}), str(tmp_path / "c"))
   with pytest.raises(ValueError, match="balance.method"):

@@ -1,0 +1,54 @@
+"""The train step's gradient accumulation: G micro-batches = the whole batch at once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from k3jax.config import preset
+from k3jax.train import data as D
+from k3jax.train.step import create_state, make_train_step
+
+CFG = preset("tiny", num_layers=4)   # KDA ×3 + MLA, dense + MoE, MTP
+
+
+def _batch(b=4, t=16, seed=0):
+  rng = np.random.default_rng(seed)
+  windows = rng.integers(0, 256, size=(b, t + 2))
+  windows[1, 5] = D.EOS                # a document boundary: masks and segment ids differ
+  return jax.tree.map(jnp.asarray, D.pack_windows(windows))
+
+
+def test_accumulated_step_equals_whole_batch_step():
+  # SGD: the update is -lr·grad, so equal parameters after the step mean equal gradients.
+  tx = optax.sgd(1.0)
+  state = create_state(CFG, jax.random.PRNGKey(1), tx)
+  batch = _batch()
+  s1, m1 = jax.jit(make_train_step(CFG, tx, grad_accum=1))(state, batch)
+  s2, m2 = jax.jit(make_train_step(CFG, tx, grad_accum=2))(state, batch)
+  assert m1["loss"] > 1.0 and m1["mtp_ce"] > 1.0    # a real loss, MTP included
+  for key in ("loss", "ce", "mtp_ce", "grad_norm"):
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, err_msg=key)
+  moved = 0
+  for a, b, p in zip(jax.tree.leaves(s2.params), jax.tree.leaves(s1.params),
+                     jax.tree.leaves(state.params)):
+    step = float(jnp.max(jnp.abs(b - p)))
+    moved += step > 0
+    np.testing.assert_allclose(a - p, b - p, rtol=1e-4, atol=1e-5 * step + 1e-9)
+  assert moved > 10
+  # Statistics: loads and drops add up over micro-batches, the max logit is the max.
+  assert set(m1["stats"]) == set(m2["stats"])
+  assert any(k.endswith("/load") for k in m1["stats"])
+  assert any(k.endswith("/max_logit") for k in m1["stats"])
+  for key in m1["stats"]:
+    np.testing.assert_allclose(m2["stats"][key], m1["stats"][key], rtol=1e-6, err_msg=key)
+
+
+def test_accumulation_rejects_bad_sizes():
+  tx = optax.sgd(1.0)
+  state = create_state(CFG, jax.random.PRNGKey(1), tx)
+  with pytest.raises(ValueError, match="grad_accum=3 must divide the batch size 4"):
+    jax.eval_shape(make_train_step(CFG, tx, grad_accum=3), state, _batch())
+  with pytest.raises(ValueError, match="grad_accum: expected a positive int"):
+    make_train_step(CFG, tx, grad_accum=0)
