@@ -6,9 +6,11 @@
 Shapes default to the `small` preset's routed path: tokens N = batch·seq = 8·512, expert input
 D = ℓ = 256 (d = 512), expert hidden F = 256, E = 64 experts, k = 8. The dense reference is a
 SiTU MLP D → k·F → D on the same N tokens (the active FLOPs of the routed experts). Methods of
-`k3jax.ops.moe.expert_mlp`: sort (dropless, the layer's default on XLA/CPU), sort with a capacity
-factor, ragged (`jax.lax.ragged_dot`), reference (all experts on all tokens; the "gather"-free
-obviously-correct path: E/k times the FLOPs), gmm (Pallas; skipped in interpret mode on CPU).
+`k3jax.ops.moe.expert_mlp`: sort (dropless tiles), sort@CF (capacity buffer, factor CF),
+ragged (`jax.lax.ragged_dot`), reference (all experts on all tokens: E/k times the FLOPs),
+gmm (Pallas; skipped in interpret mode on CPU); and "gather" (here only: each token's k expert
+matrices gathered, w[indices] [N, k, D, F], and contracted per token — the naive gather-based
+layout, checked against the reference before timing).
 Also: `jax.lax.ragged_dot` vs a dense matmul of the same FLOPs, and the whole StableLatentMoE
 layer (`small` config, router + shared experts + latent projections) when it exists.
 All in fp32, in one process; time = min over repeats (the machine may be shared: the load
@@ -43,7 +45,7 @@ flags.DEFINE_list("methods", ["sort", "sort@1.0", "sort@1.1", "sort@1.25", "gmm"
 flags.DEFINE_string("headline", "sort@1.1",
                     "the row reported as moe_ms / ratio in the JSON (the layout `small` "
                     "trains with: configs/small.py sets model.moe_capacity_factor)")
-flags.DEFINE_list("small_methods", ["ragged", "reference"],
+flags.DEFINE_list("small_methods", ["ragged", "reference", "gather"],
                   "methods timed at --small_tokens (on CPU ragged_dot materialises a masked "
                   "[E, rows, D] operand: ~18 GB temp for fwd+bwd at 4096 tokens)")
 flags.DEFINE_integer("small_tokens", 512, "N for --small_methods (with their own dense row)")
@@ -122,6 +124,14 @@ def _time_round_robin(calls, repeats):
   return {name: (1e3 * min(v), 1e3 * float(np.median(v))) for name, v in ts.items()}
 
 
+def gather_mlp(x, weights, indices, w1, w3, w2):
+  """Routed experts with each token's k expert matrices gathered ([N, k, D, F] per weight)."""
+  a = jnp.einsum("nd,nkdf->nkf", x, w1[indices])
+  b = jnp.einsum("nd,nkdf->nkf", x, w3[indices])
+  out = jnp.einsum("nkf,nkfd->nkd", moe.situ_glu(a, b), w2[indices])
+  return jnp.sum(weights[..., None] * out, axis=1)
+
+
 def bench_experts(n, d, f, e, k, methods, repeats):
   """{name: (min_ms, median_ms)} for the expert MLP fwd+bwd and the dense reference."""
   x, weights, indices, w1, w3, w2 = _problem(n, d, f, e, k)
@@ -131,9 +141,17 @@ def bench_experts(n, d, f, e, k, methods, repeats):
   def moe_step(method, cap):
     # indices are an argument, not a closure constant (XLA would constant-fold the sort).
     def loss(x, w, w1, w3, w2, indices):
-      y, _ = moe.expert_mlp(x, w, indices, w1, w3, w2, method=method, capacity=cap)
+      if method == "gather":
+        y = gather_mlp(x, w, indices, w1, w3, w2)
+      else:
+        y, _ = moe.expert_mlp(x, w, indices, w1, w3, w2, method=method, capacity=cap)
       return jnp.sum(y * probe)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  if "gather" in methods:   # the bench-only variant must compute the same function
+    want = moe.expert_mlp(x, weights, indices, w1, w3, w2, method="reference")[0]
+    got = jax.jit(gather_mlp)(x, weights, indices, w1, w3, w2)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
   for name in methods:
     if name == "gmm" and jax.default_backend() == "cpu":
@@ -141,7 +159,7 @@ def bench_experts(n, d, f, e, k, methods, repeats):
       continue
     method, cap = _method(name, n, k, e)
     calls[name] = (moe_step(method, cap), (x, weights, w1, w3, w2, indices),
-                   1 if name == "reference" else repeats)
+                   1 if name in ("reference", "gather") else repeats)
 
   rng = np.random.default_rng(1)
   h = k * f

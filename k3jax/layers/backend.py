@@ -46,6 +46,23 @@ def expert_mlp_fn():
   return maybe_expert_parallel(expert_mlp)
 
 
+def short_conv_fn(conv_fn):
+  """The KDA short convolution `conv_fn(x, kernel, segment_ids=None)` as given, or — under
+  `k3jax.sharding.activate(mesh)` with context > 1 — its context-parallel form (each shard
+  receives the W−1 boundary tokens of the previous one), same signature."""
+  from k3jax.parallel.context import maybe_context_parallel_conv
+  return maybe_context_parallel_conv(conv_fn)
+
+
+def mla_attention_fn():
+  """`k3jax.ops.mla.mla_attention` (→ (o, max_logit)), or — under `k3jax.sharding.activate(mesh)`
+  with context > 1 — its context-parallel form (keys/values all-gathered over `context`, global
+  causal mask, max logit reduced over all shards), same signature."""
+  from k3jax.ops.mla import mla_attention
+  from k3jax.parallel.context import maybe_context_parallel_attention
+  return maybe_context_parallel_attention(mla_attention)
+
+
 def moe_method(backend: str) -> str:
   """`k3jax.ops.moe.expert_mlp` method for a backend: the Pallas grouped matmul ("gmm") on
   "pallas", the sorted dense-einsum path ("sort", fastest XLA path on CPU) on "xla"."""

@@ -96,9 +96,10 @@ class KDA(nn.Module):
   def project(self, x, segment_ids=None):
     """q, k (L2-normalised), v after convs + SiLU, g (fp32 log-decay), β [B,T,H] fp32."""
     from k3jax.ops.kda import kda_gate
-    q = jax.nn.silu(short_conv(self.q_proj(x), self.q_conv1d, segment_ids))
-    k = jax.nn.silu(short_conv(self.k_proj(x), self.k_conv1d, segment_ids))
-    v = jax.nn.silu(short_conv(self.v_proj(x), self.v_conv1d, segment_ids))
+    conv = backend.short_conv_fn(short_conv)
+    q = jax.nn.silu(conv(self.q_proj(x), self.q_conv1d, segment_ids))
+    k = jax.nn.silu(conv(self.k_proj(x), self.k_conv1d, segment_ids))
+    v = jax.nn.silu(conv(self.v_proj(x), self.v_conv1d, segment_ids))
     q, k = l2_normalize(q), l2_normalize(k)
     z = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32)
     g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.config.kda_lower_bound)

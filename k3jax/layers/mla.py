@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from k3jax.layers.linear import linear
 from k3jax.layers.norms import RMSNorm
-from k3jax.ops.mla import mla_attention
+from k3jax.layers import backend
 
 
 def sow_stat(module: nn.Module, name: str, value):
@@ -82,7 +82,8 @@ class MLA(nn.Module):
       raise ValueError(f"MLA: x must be [B,T,d={cfg.d_model}], found {x.shape}")
     q = self.query(x)
     k, v = self.keys_values(*self.latent(x))
-    o, max_logit = mla_attention(q, k, v, scale=cfg.qk_head_dim ** -0.5, segment_ids=segment_ids)
+    attention = backend.mla_attention_fn()   # context-parallel under a context mesh
+    o, max_logit = attention(q, k, v, scale=cfg.qk_head_dim ** -0.5, segment_ids=segment_ids)
     sow_stat(self, "max_logit", max_logit)
     return self.output(x, o)
 

@@ -20,11 +20,15 @@ MLA (`mla_attention_context_parallel`): keys/values (or the latents they are exp
 all-gathered over `context`; queries keep their shard and the causal mask uses global positions.
 
 All functions here are meant to be called *inside* `jax.shard_map` with `context` among the
-manual axes (the `*_sharded` wrappers build that shard_map from a mesh).
+manual axes (the `*_sharded` wrappers build that shard_map from a mesh). The `maybe_*` wrappers
+are what the layers use (through k3jax/layers/backend.py): under `sharding.activate(mesh)` with
+context > 1 they run KDA, the short convs and MLA attention as above over global arrays;
+otherwise they return the single-device function unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -192,14 +196,15 @@ def all_gather_sequence(x: Array, axis_name: str = CONTEXT) -> Array:
 
 def mla_attention_context_parallel(
     q: Array, k: Array, v: Array, *, scale: float, segment_ids: Array | None = None,
-    axis_name: str = CONTEXT) -> Array:
+    axis_name: str = CONTEXT) -> tuple[Array, Array]:
   """Causal softmax attention with queries sharded and keys/values gathered; inside shard_map.
 
   Args:
     q: [B, T_l, H, Dk] local queries; k: [B, T_l, H, Dk], v: [B, T_l, H, Dv] local keys
       and values (gathered here; gather the latents instead and expand after, to move
       kv_rank+rope numbers per token rather than H·(Dk+Dv)); segment_ids [B, T_l] or None.
-  Returns [B, T_l, H, Dv] fp32 (spec §4: attention output in fp32).
+  Returns (o [B, T_l, H, Dv] fp32 (spec §4: attention output in fp32), max_logit [H]: the
+  largest unmasked logit per head over this shard's batch rows and the whole sequence).
   """
   t_l = q.shape[1]
   idx = jax.lax.axis_index(axis_name)
@@ -213,10 +218,74 @@ def mla_attention_context_parallel(
   logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kg.astype(jnp.float32),
                       precision="highest") * scale
   logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  # A statistic for QK-Clip, never differentiated (pmax has no transpose rule).
+  max_logit = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=(0, 2, 3))), axis_name)
   probs = jax.nn.softmax(logits, axis=-1)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs, vg.astype(jnp.float32), precision="highest")
+  o = jnp.einsum("bhqk,bkhd->bqhd", probs, vg.astype(jnp.float32), precision="highest")
+  return o, max_logit
 
 
+def _check_divisible(mesh, t: int, what: str) -> None:
+  n = sharding.axis_size(mesh, CONTEXT)
+  if t % n:
+    raise ValueError(f"{what}: sequence length {t} is not divisible by the context axis size {n}")
+
+
+def maybe_context_parallel_conv(conv_fn: Callable) -> Callable:
+  """`conv_fn(x [B,T,H,C], kernel [W,H,C], segment_ids=None) → fp32` itself, or — when the
+  active mesh has context > 1 — the same convolution with each shard receiving its W−1
+  boundary tokens from the previous shard (`causal_conv_context_parallel`)."""
+  mesh = sharding.active_mesh()
+  if sharding.axis_size(mesh, CONTEXT) <= 1:
+    return conv_fn
+  bt = P(sharding.BATCH_AXES, CONTEXT, "tensor")
+  seg_spec = P(sharding.BATCH_AXES, CONTEXT)
+
+  def run(x, kernel, segment_ids=None):
+    _check_divisible(mesh, x.shape[1], "short conv x")
+    x = x.astype(jnp.float32)
+    kspec = P(None, "tensor")
+    if segment_ids is None:
+      fn = jax.shard_map(lambda a, w: causal_conv_context_parallel(a, w), mesh=mesh,
+                         in_specs=(bt, kspec), out_specs=bt, check_vma=False)
+      return fn(x, kernel)
+    fn = jax.shard_map(lambda a, w, sg: causal_conv_context_parallel(a, w, segment_ids=sg),
+                       mesh=mesh, in_specs=(bt, kspec, seg_spec), out_specs=bt,
+                       check_vma=False)
+    return fn(x, kernel, segment_ids)
+
+  return run
+
+
+def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
+  """`attn_fn(q, k, v, *, scale, segment_ids=None) → (o, max_logit [H])` (ops.mla_attention)
+  itself, or — when the active mesh has context > 1 — the same attention with queries sharded
+  over the sequence and keys/values all-gathered (`mla_attention_context_parallel`); the max
+  logit is reduced over every shard."""
+  mesh = sharding.active_mesh()
+  if sharding.axis_size(mesh, CONTEXT) <= 1:
+    return attn_fn
+  bt = P(sharding.BATCH_AXES, CONTEXT, "tensor")
+  seg_spec = P(sharding.BATCH_AXES, CONTEXT)
+  batch_axes = tuple(a for a in sharding.BATCH_AXES if sharding.axis_size(mesh, a) > 1)
+
+  def body(q, k, v, seg, *, scale):
+    o, m = mla_attention_context_parallel(q, k, v, scale=scale, segment_ids=seg)
+    return o, (jax.lax.pmax(m, batch_axes) if batch_axes else m)
+
+  def run(q, k, v, *, scale=None, segment_ids=None):
+    _check_divisible(mesh, q.shape[1], "MLA q")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if segment_ids is None:
+      fn = jax.shard_map(lambda a, b, c: body(a, b, c, None, scale=scale), mesh=mesh,
+                         in_specs=(bt, bt, bt), out_specs=(bt, P("tensor")), check_vma=False)
+      return fn(q, k, v)
+    fn = jax.shard_map(functools.partial(body, scale=scale), mesh=mesh,
+                       in_specs=(bt, bt, bt, seg_spec), out_specs=(bt, P("tensor")),
+                       check_vma=False)
+    return fn(q, k, v, segment_ids)
+
+  return run
 
 
 def maybe_context_parallel(kda_fn: Callable) -> Callable:
@@ -247,5 +316,5 @@ def maybe_context_parallel(kda_fn: Callable) -> Callable:
 __all__ = [
     "from_previous_shard", "kda_context_parallel", "kda_context_parallel_sharded",
     "causal_conv_context_parallel", "all_gather_sequence", "mla_attention_context_parallel",
-    "maybe_context_parallel",
+    "maybe_context_parallel", "maybe_context_parallel_conv", "maybe_context_parallel_attention",
 ]

@@ -2,14 +2,15 @@
 
 loss = CE(logits, targets; loss_mask) + mtp_weight · CE(mtp_logits, mtp_targets; mtp_mask)
 (token means over the whole batch, fp32). One step: forward with the current router bias
-(sowing "stats") → grads → optimizer update of {"params", "balance"} (Muon/AdamW for params; Quantile Balancing
-sets the bias from this forward's stats, for the next step) → QK-Clip of the MLA heads whose
-max logit exceeded τ. With `grad_accum=G` the batch is split into G micro-batches along its
-batch axis, run one after another (`lax.scan`: activations of one micro-batch at a time), their
-gradients and statistics summed (`max_logit`: max) and the optimizer applied once — the same
-update as the whole batch at once (each micro-batch's CE is divided by the whole batch's token
-count). Shardings are the caller's business: jit the returned function with
-`in_shardings`/`out_shardings` (the mesh hook, issue 5); nothing here names a mesh axis.
+(sowing "stats") → grads → optimizer update of {"params", "balance"} (Muon/AdamW for params;
+Quantile Balancing sets the bias from this forward's stats, for the next step) → QK-Clip of
+the MLA heads whose max logit exceeded τ. With `grad_accum=G` the batch is split into G
+micro-batches along its batch axis, run one after another (`lax.scan`: activations of one
+micro-batch at a time), their gradients and statistics summed (`max_logit`: max) and the
+optimizer applied once — the same update as the whole batch at once (each micro-batch's CE is
+divided by the whole batch's token count). Shardings are the caller's business: jit the
+returned function with `in_shardings`/`out_shardings` (the mesh hook, issue 5); nothing here
+names a mesh axis.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from k3jax import sharding
+from k3jax.ops import mla as mla_ops
 from k3jax.parallel import context as cp
 
 B, T, H, K, V = 2, 32, 2, 4, 3   # V ≠ K: the [v | 0] trick must not assume square states
@@ -157,10 +158,20 @@ def test_mla_attention_gathers_keys_with_global_causal_mask():
   bt = P(sharding.BATCH_AXES, "context")
   fn = jax.shard_map(
       lambda a, b_, c, s: cp.mla_attention_context_parallel(a, b_, c, scale=0.4, segment_ids=s),
-      mesh=mesh, in_specs=(bt, bt, bt, bt), out_specs=bt)
-  out = fn(q, k, v, jnp.asarray(seg))
+      mesh=mesh, in_specs=(bt, bt, bt, bt), out_specs=(bt, P("data")), check_vma=False)
+  out, max_logit = fn(q, k, v, jnp.asarray(seg))
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(out, attention_naive(q, k, v, 0.4, seg), rtol=1e-5, atol=1e-5)
+  # Per-head max logit of each data shard's rows, over the whole sequence (reduced over context).
+  ref_o, ref_max = mla_ops.mla_attention(q, k, v, scale=0.4, segment_ids=jnp.asarray(seg))
+  h = q.shape[2]
+  half = q.shape[0] // 2
+  for i in range(2):
+    _, m_i = mla_ops.mla_attention(q[i * half:(i + 1) * half], k[i * half:(i + 1) * half],
+                                   v[i * half:(i + 1) * half], scale=0.4,
+                                   segment_ids=jnp.asarray(seg)[i * half:(i + 1) * half])
+    np.testing.assert_allclose(max_logit[i * h:(i + 1) * h], m_i, rtol=1e-5)
+  np.testing.assert_allclose(jnp.max(max_logit.reshape(2, h), 0), ref_max, rtol=1e-5)
 
 
 def test_from_previous_shard_shifts_by_one_shard():

@@ -89,7 +89,8 @@ def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
   # The layers took the hand-written parallel paths (k3jax/layers/backend.py hooks).
   jaxpr = str(jax.make_jaxpr(step)(variables, batch))
   assert ("all_to_all" in jaxpr) == (mesh.shape["expert"] > 1)
-  assert ("ppermute" in jaxpr) == (mesh.shape["context"] > 1)
+  assert ("ppermute" in jaxpr) == (mesh.shape["context"] > 1)      # KDA state, conv halo
+  assert ("pmax" in jaxpr) == (mesh.shape["context"] > 1)          # MLA's max logit over shards
   params, loss, logits = fn(sharding.put_batch(variables, var_sh), batch)
   _close(logits, ref_logits, "logits")
   _close(loss, ref_loss, "loss")
