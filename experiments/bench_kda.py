@@ -124,7 +124,8 @@ def _jax_impl(name, backend, chunk_size):
           "--backend=pallas: pallas_kernels.kda_chunk.kda_chunked_pallas is not available "
           f"({type(e).__name__}: {e}); use --backend=xla")
     return lambda *a, **kw: fn(*a, chunk_size=chunk_size, **kw)
-  return lambda *a, **kw: kda.kda_chunked(*a, chunk_size=chunk_size, **kw)
+  # The inputs come from the bounded gate (g > −5), and the K3 layer passes that bound too.
+  return lambda *a, **kw: kda.kda_chunked(*a, chunk_size=chunk_size, lower_bound=-5.0, **kw)
 
 
 def _bench_jax(fn, data, dtype, args):

@@ -35,7 +35,8 @@ def kda_chunked_fn(backend: str, *, lower_bound: float | None = None, packed: bo
     from pallas_kernels.kda_chunk import kda_chunked_pallas
     return maybe_context_parallel(functools.partial(kda_chunked_pallas, lower_bound=lower_bound))
   from k3jax.ops.kda import kda_chunked
-  return maybe_context_parallel(kda_chunked)
+  # The bound lets the op pick its dense diagonal-tile form at trace time (no cond).
+  return maybe_context_parallel(functools.partial(kda_chunked, lower_bound=lower_bound))
 
 
 def expert_mlp_fn():

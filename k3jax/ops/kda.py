@@ -27,22 +27,27 @@ within-chunk cumulative log-decay G_t = Σ_{s≤t} g_s (Γ_t = exp(G_t)):
     O   = (Γ⊙Q̃) S0 + P U
     S_C = Diag(Γ_C) S0 + (exp(G_C − G)⊙K)ᵀ U
 
-Overflow-safe decay factors (our choice, valid for bounded *and* unbounded decay): every
-exponent we evaluate is ≤ 0, so no exp ever exceeds 1 and nothing can overflow:
-  * diagonal 16-token tiles: exp(G_t − G_i) is formed pairwise, for t ≥ i only (masked), from
-    the tile-local prefix sums, then contracted over channels (`_diag_scores`, hand-written
-    backward);
+Decay factors (every exp is bounded; nothing can overflow, for bounded *and* unbounded decay):
   * off-diagonal tiles (row tile a after column tile b): the rescale is done relative to tile
     a's own reference point (the position just before tile a): the row factor is
     exp(Σ_{start(a)≤s≤t} g_s) ≤ 1 and the column factor exp(Σ_{i<s<start(a)} g_s) ≤ 1 (both
     direct sums of g, so no cancellation), and their product is exp(G_t − G_i); these tiles are
-    then plain dense matmuls;
-  * Γ_t = exp(G_t) and exp(G_C − G_i) are also direct sums, ≤ 1.
-With bounded decay the classic inverse-decay rescale inside a 16-token tile would stay below
-e^80; the pairwise diagonal tile removes even that bound (needed for Kimi Linear's unbounded
-softplus decay), at the cost of a [16,16,K] elementwise product per tile. A scan step handles
-`_GROUP_TOKENS` tokens: the state-independent work of its chunks is vectorised, then an inner
-scan passes the state through them; the step is rematerialised in the backward pass.
+    plain dense matmuls;
+  * diagonal 16-token tiles, fast form (used when both 8-token halves of every tile have
+    Σg ≥ _FAST_MIN_TILE_DECAY = −40 per channel — always true for a gate bounded below by −5,
+    K3's): the reference point of row tile a moves to the middle of the tile (after its 8th
+    token), so row factors exp(G_t − G_ref) and the diagonal tile's column factors
+    exp(G_ref − G_i) are ≤ e^{40} (products for t ≥ i stay ≤ 1), off-diagonal column factors
+    ≤ 1; the diagonal tile is part of the same matmul;
+  * diagonal tiles, pairwise form (otherwise, e.g. Kimi Linear's unbounded softplus decay):
+    exp(G_t − G_i) formed pairwise, for t ≥ i only (masked), from the tile-local prefix sums,
+    then contracted over channels (`_diag_scores`, hand-written backward); no exponent > 0;
+  * Γ_t = exp(G_t) and exp(G_C − G_i) are direct sums, ≤ 1.
+The choice is static when the caller promises `lower_bound` ≥ −5 (the layers pass the
+config's bound), otherwise one `lax.cond` on the inputs around the whole computation (both forms
+are compiled). A scan step handles `_GROUP_TOKENS` tokens: the state-independent work of its chunks
+is vectorised, then an inner scan passes the state through them; the step is rematerialised in
+the backward pass.
 """
 
 from __future__ import annotations
@@ -56,6 +61,12 @@ from jax import lax
 
 _TILE = 16  # tile size of the overflow-safe decay rescale (spec §3)
 _GROUP_TOKENS = 1024  # tokens per scan step of kda_chunked (chunks of a step are vectorised)
+# Diagonal tiles use dense matmuls (mid-tile reference point, largest factor e^{-half total})
+# when both halves of every 16-token tile have Σg ≥ this per channel; otherwise the pairwise
+# form (`_diag_scores`), which never exponentiates a positive number. Factors up to e^{80}
+# would be overflow-safe, but then the gradient w.r.t. g lost ~5% (cancellation between
+# e^{±80}-scaled terms); at e^{40} it matches the pairwise form (tests/ops/test_kda.py).
+_FAST_MIN_TILE_DECAY = -40.0
 
 
 # ----------------------------------------------------------------------------- validation
@@ -231,32 +242,42 @@ def _tile_masks(num_tiles: int):
   a_idx = jnp.arange(num_tiles)
   return dict(
       # [a, b]: column tile b strictly before row tile a
-      before=(a_idx[None, :] < a_idx[:, None]),
+      before=(a_idx[None, :] < a_idx[:, None]).astype(jnp.float32),
       # [a, b, c]: b < c < a (tiles strictly between b and a)
       between=((a_idx[None, None, :] > a_idx[None, :, None])
                & (a_idx[None, None, :] < a_idx[:, None, None])).astype(jnp.float32),
+      # [a, b]: same tile
+      eq=(a_idx[None, :] == a_idx[:, None]).astype(jnp.float32),
       # [b, c]: c > b (tiles after b)
       later=(a_idx[None, :] > a_idx[:, None]).astype(jnp.float32),
   )
 
 
 def _unit_lower_inverse(n):
-  """(I + n)^-1 for strictly lower-triangular n [..., m, m], by forward substitution (exact,
-  like a triangular solve, but as m−1 small vectorised steps that XLA:CPU runs fast)."""
+  """(I + n)^-1 for strictly lower-triangular n [..., m, m] (exact in exact arithmetic):
+  n is nilpotent (n^m = 0), so (I + n)^-1 = Σ_j (−n)^j = (I − n)(I + n²)(I + n⁴)··· —
+  ⌈log2 m⌉ factors, 2 small batched matmuls each (XLA:CPU ran the m−1 sequential
+  forward-substitution steps, each a small update-slice, slower)."""
   m = n.shape[-1]
-  x = jnp.broadcast_to(jnp.eye(m, dtype=n.dtype), n.shape)
-  for i in range(1, m):
-    # Row i of the inverse: e_i − Σ_{j<i} n_ij x_j (rows ≥ i of x are still e_j, and n_ij = 0
-    # for j ≥ i, so the full product only picks up the finished rows).
-    row = x[..., i, :] - jnp.einsum("...j,...jk->...k", n[..., i, :], x)
-    x = x.at[..., i, :].set(row)
+  eye = jnp.eye(m, dtype=n.dtype)
+  mm = lambda a, b: jnp.einsum("...ij,...jk->...ik", a, b)
+  x = eye - n
+  power = n
+  span = 2
+  while span < m:
+    power = mm(power, power)                                      # n^(2^i)
+    x = mm(x, eye + power)
+    span *= 2
   return x
 
 
-def _intra(q, k, v, g, beta, packed_masks, *, tile: int):
+def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
   """Everything of a chunk that does not depend on its start state, for many chunks at once.
 
   q (scaled), k, g `[...,C,K]`, v `[...,C,V]`, beta `[...,C]` fp32 (leading dims e.g. [B,H,G]).
+  fast: True when both halves of every tile have Σg (per channel) ≥ _FAST_MIN_TILE_DECAY: the
+  diagonal tiles are then dense matmuls too, relative to a mid-tile reference point; False:
+  pairwise diagonal tiles (`_diag_scores`).
   packed_masks: None or (same [...,C,C], m [...,C,1], f [...,C,1]) (see `_group`).
   Returns a dict: w_v [...,C,V], w_k [...,C,K] (U = w_v − w_k S0), q_gamma [...,C,K],
   p_mat [...,C,C] (O = q_gamma S0 + p_mat U), k_last [...,C,K] and decay [...,K]
@@ -282,22 +303,36 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int):
   k_last = kt * jnp.exp(suf + later[..., None, :])                 # k_i·exp(G_C − G_i)
   decay = jnp.exp(jnp.sum(g, axis=-2))                             # Γ_C [...,K]
 
-  # Off-diagonal tiles: reference point = just before row tile a.
-  row = jnp.exp(pre)                                               # [...,a,t,K]
-  col_exp = between[..., :, :, None, :] + suf[..., None, :, :, :]  # [...,a,b,i,K]
-  before = mk["before"][:, :, None, None]
-  col = jnp.exp(jnp.minimum(col_exp, 0.0)) * before                # ≤ 1; 0 unless b < a
-  kcol = kt[..., None, :, :, :] * col                              # [...,a,b,i,K]
-  kcol = kcol.reshape(*kcol.shape[:-3], c, dk)                    # [...,a,C,K]
-  a_off = jnp.einsum("...atk,...aik->...ati", kt * row, kcol)      # zero unless tile(i) < a
-  p_off = jnp.einsum("...atk,...aik->...ati", qt * row, kcol)
+  # Scores A (k·k) and P (q·k) of row tile a, relative to the reference point just before
+  # tile a: row factor exp(Σ_{start(a)≤s≤t} g) ≤ 1 times a column factor. For column tiles
+  # b < a the column factor exp(Σ_{i<s<start(a)} g) = exp(between_ab)·exp(suf_i) ≤ 1.
+  # Fast form: the reference point of row tile a moves to its middle, G_ref = G_{start(a)} +
+  # ref_a with ref_a = Σ over its first half (≥ −40): row factors gain e^{−ref_a} ≤ e^{40},
+  # off-diagonal column factors e^{ref_a} (still ≤ 1).
+  ref = pre[..., max(tile // 2, 1) - 1, :] if fast else jnp.zeros_like(tot)  # [...,a,K]
+  ksuf = kt * jnp.exp(suf)                                         # [...,b,i,K]
+  ebetween = jnp.exp(jnp.minimum(between, 0.0) + ref[..., :, None, :]) * (
+      mk["before"][:, :, None])                                    # [...,a,b,K]
+  kcol = ebetween[..., :, :, None, :] * ksuf[..., None, :, :, :]   # [...,a,b,i,K], 0 unless b<a
+  row = jnp.exp(pre - ref[..., :, None, :])
+  lhs = jnp.concatenate([kt, qt], axis=-2) * jnp.concatenate([row] * 2, axis=-2)
+  scores = lambda kc: jnp.einsum("...atk,...aik->...ati", lhs, kc.reshape(*lead, nt, c, dk))
 
-  # Diagonal tiles: pairwise exp(G_t − G_j), t ≥ j (see `_diag_scores`).
-  a_diag, p_diag = _diag_scores(pre, kt, qt)
-  eye = jnp.eye(nt, dtype=jnp.float32)
-  blockdiag = lambda x: jnp.einsum("...atj,ab->...atbj", x, eye).reshape(*lead, nt, tile, c)
-  a_mat = (a_off + blockdiag(a_diag)).reshape(*lead, c, c)
-  p_mat = (p_off + blockdiag(p_diag)).reshape(*lead, c, c)
+  if fast:
+    # Diagonal tile (b = a) too: column factor exp(G_ref − G_i) ≤ e^{40} (second half).
+    kdiag = kt * jnp.exp(ref[..., :, None, :] - pre)               # [...,a,i,K]
+    s_all = scores(kcol + kdiag[..., :, None, :, :] * mk["eq"][:, :, None, None])
+  else:
+    # Diagonal tile: pairwise exp(G_t − G_j), t ≥ j, never a positive exponent.
+    a_diag, p_diag = _diag_scores(pre, kt, qt)                     # [...,a,ts,ts] each
+    # (Placed by an einsum with the identity: the equivalent broadcast-multiply by the tile
+    # mask made XLA:CPU (jax 0.10.2) segfault in the backward pass.)
+    eye = jnp.eye(nt, dtype=jnp.float32)
+    blockdiag = lambda x: jnp.einsum("...atj,ab->...atbj", x, eye).reshape(*lead, nt, tile, c)
+    s_all = scores(kcol) + jnp.concatenate([blockdiag(a_diag), blockdiag(p_diag)], axis=-2)
+  a_mat, p_mat = s_all[..., :tile, :], s_all[..., tile:, :]
+  a_mat = jnp.where(jnp.tri(c, k=-1, dtype=bool), a_mat.reshape(*lead, c, c), 0.0)
+  p_mat = jnp.where(jnp.tri(c, dtype=bool), p_mat.reshape(*lead, c, c), 0.0)
 
   gamma = gamma.reshape(*lead, c, dk)
   k_last = k_last.reshape(*lead, c, dk)
@@ -398,22 +433,28 @@ def _inter(state, w_v, w_k, q_gamma, p_mat, k_last, decay):
   return new_state, o
 
 
-def _group(state, xs, *, tile: int, packed: bool):
-  """One scan step: G chunks. xs = (q̃, k, v, g, beta[, same, m, f]) with [B,H,G,C,·] fp32
-  (masks [B,1,G,…]: `same` token pairs in one segment, `m` tokens in the segment carried in
-  from the previous chunk, `f` tokens in the chunk's last segment).
-  Returns (state after the G chunks, o [B,H,G,C,V])."""
-  q, k, v, g, beta = xs[:5]
-  parts = _intra(q, k, v, g, beta, xs[5:] if packed else None, tile=tile)
+def _heads_first(x):
+  return jnp.moveaxis(x, -2, 1)                                   # [B,G,C,H,D] -> [B,H,G,C,D]
+
+
+def _group(state, xs, *, tile: int, packed: bool, fast: bool, scale):
+  """One scan step: G chunks. xs = (q, k, v, g, beta[, same, m, f]) fp32 in the token-major
+  layout [B,G,C,H,·] (beta [B,G,C,H]; masks [B,1,G,…]: `same` token pairs in one segment, `m`
+  tokens in the segment carried in from the previous chunk, `f` tokens in the chunk's last
+  segment). The head-major copies are made here, per step (cache-sized), not for the whole
+  sequence. Returns (state after the G chunks, o [B,G,C,H,V])."""
+  q, k, v, g = (_heads_first(x) for x in xs[:4])
+  beta = jnp.moveaxis(xs[4], -1, 1)
+  parts = _intra(q * scale, k, v, g, beta, xs[5:] if packed else None, tile=tile, fast=fast)
   names = ("w_v", "w_k", "q_gamma", "p_mat", "k_last", "decay")
   # The sequential part: an inner scan over the G chunks (chunk axis moved first).
   state, o = lax.scan(lambda s, x: _inter(s, *x), state,
                       tuple(jnp.moveaxis(parts[n], 2, 0) for n in names))
-  return state, jnp.moveaxis(o, 0, 2)
+  return state, jnp.moveaxis(o, (0, 2), (1, 3))                   # [G,B,H,C,V] -> [B,G,C,H,V]
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-                segment_ids=None):
+                segment_ids=None, lower_bound: float | None = None):
   """Chunkwise KDA (WY/UT form, dense matmuls); same results as `kda_recurrent`.
 
   A `lax.scan` carries the fp32 state over groups of chunks (about `_GROUP_TOKENS` tokens a
@@ -430,6 +471,9 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
     chunk_size: tokens per chunk; ≤ 16, or a multiple of 16 (16-token tiles inside a chunk).
       Shortened to T rounded up to the tile when T is smaller.
     segment_ids: `[B,T]` int or None; the state resets to zero where the id changes.
+    lower_bound: None, or the caller's promise that g ≥ lower_bound everywhere (the bounded
+      gate's −5, spec §3). With lower_bound ≥ −5 the dense diagonal-tile form is chosen at
+      trace time; otherwise it is chosen by one `lax.cond` on g (module docstring).
 
   Returns:
     (o `[B,T,H,V]` in q's dtype, final_state `[B,H,K,V]` float32).
@@ -441,21 +485,49 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
     raise ValueError(
         f"{fn}: chunk_size must be a positive int, <= {_TILE} or a multiple of {_TILE}, "
         f"found {chunk_size!r}")
+  if lower_bound is not None and not (isinstance(lower_bound, (int, float))
+                                      and lower_bound < 0):
+    raise ValueError(f"{fn}: lower_bound must be None or a negative number, found "
+                     f"{lower_bound!r}")
   tile = min(_TILE, chunk_size)
+  half = max(tile // 2, 1)
+  impl = lambda fast, *args: _chunked(
+      *args, scale=_default_scale(scale, dk), chunk_size=chunk_size, tile=tile, fast=fast)
+  args = (q, k, v, g, beta, initial_state, segment_ids)
+  # Dense diagonal tiles (fast) when both halves of every tile have Σg ≥ _FAST_MIN_TILE_DECAY
+  # per channel: known at trace time from a promised lower bound (8 · (−5) = −40), else one
+  # cond on the raw inputs around the whole computation (XLA:CPU ran a cond inside the scan
+  # body, or on the grouped arrays, much slower; the cond itself still costs 10–30%).
+  if lower_bound is not None and lower_bound * max(half, tile - half) >= _FAST_MIN_TILE_DECAY:
+    return impl(True, *args)
+  n_pad = -(-t // tile) * tile - t
+  g_pad = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, n_pad), (0, 0), (0, 0)))
+  g_tiles = g_pad.reshape(b, -1, tile, h, dk)
+  first = jnp.sum(g_tiles[:, :, :half], axis=2)
+  second = jnp.sum(g_tiles[:, :, half:], axis=2)
+  fast_ok = jnp.all(jnp.minimum(first, second) >= _FAST_MIN_TILE_DECAY)
+  return lax.cond(fast_ok, functools.partial(impl, True), functools.partial(impl, False), *args)
+
+
+def _chunked(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_size: int, tile: int,
+             fast: bool):
+  """kda_chunked after validation; `fast` selects the diagonal-tile form (see `_intra`)."""
+  b, t, h, dk = q.shape
+  dv = v.shape[3]
   chunk = min(chunk_size, -(-t // tile) * tile)
   n = -(-t // chunk)                                    # chunks
   steps = -(-n // max(1, _GROUP_TOKENS // chunk))       # scan steps
   group = -(-n // steps)                                # chunks per step
   pad = steps * group * chunk - t
-  scale = _default_scale(scale, dk)
 
-  def to_groups(x):  # [B,T,H,D] -> [S,B,H,G,C,D] fp32, zero-padded
+  def to_groups(x):  # [B,T,H,D] -> [S,B,G,C,H,D] fp32, zero-padded (a bitcast when B=1)
     x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-    x = x.reshape(b, steps, group, chunk, h, -1)
-    return jnp.transpose(x, (1, 0, 4, 2, 3, 5))
+    x = x.reshape(b, steps, group, chunk, *x.shape[2:])
+    # B=1: a reshape keeps the row-major layout (moveaxis would leave a transposed layout
+    # that XLA copies before the scan).
+    return x.reshape(steps, 1, *x.shape[2:]) if b == 1 else jnp.moveaxis(x, 1, 0)
 
-  xs = (to_groups(q) * scale, to_groups(k), to_groups(v), to_groups(g),
-        to_groups(beta[..., None])[..., 0])
+  xs = (to_groups(q), to_groups(k), to_groups(v), to_groups(g), to_groups(beta))
   packed = segment_ids is not None
   if packed:
     seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge").reshape(b, steps * group, chunk)
@@ -468,7 +540,9 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
 
   state0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
             else initial_state.astype(jnp.float32))
-  body = jax.checkpoint(functools.partial(_group, tile=tile, packed=packed), prevent_cse=False)
-  final_state, o = lax.scan(body, state0, xs)          # o [S,B,H,G,C,V]
-  o = jnp.transpose(o, (1, 0, 3, 4, 2, 5)).reshape(b, steps * group * chunk, h, dv)[:, :t]
+  body = jax.checkpoint(
+      functools.partial(_group, tile=tile, packed=packed, fast=fast, scale=scale),
+      prevent_cse=False)
+  final_state, o = lax.scan(body, state0, xs)          # o [S,B,G,C,H,V]
+  o = (o if b == 1 else jnp.moveaxis(o, 0, 1)).reshape(b, steps * group * chunk, h, dv)[:, :t]
   return o.astype(q.dtype), final_state

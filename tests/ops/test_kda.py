@@ -144,6 +144,48 @@ def test_extreme_gates_long_sequence_finite(bounded):
   _assert_close(s, s_ref, name="final_state")
 
 
+@pytest.mark.parametrize("g_scale", [1.0, 30.0])
+def test_chunked_fast_and_pairwise_diagonal_tiles(g_scale):
+  """Both diagonal-tile forms vs the float64 loop and their gradients vs kda_recurrent: g ≈ −2.5
+  everywhere (tile totals just above −40: the dense inverse-decay form at its bound, e^{40}) and
+  g×30 (totals far below −40: the pairwise form)."""
+  t, h, dk, dv = 70, 2, 8, 8
+  rng = np.random.default_rng(11)
+  q, k, v, _, beta, s0 = _inputs(12, 1, t, h, dk, dv)
+  g = jnp.asarray(-2.5 + 0.01 * rng.random((1, t, h, dk)), jnp.float32) * g_scale
+  tile_tot = np.asarray(g[:, :64]).reshape(1, 4, 16, h, dk).sum(2)
+  assert (tile_tot.min() >= kda._FAST_MIN_TILE_DECAY) == (g_scale == 1.0)
+  o, s = kda.kda_chunked(q, k, v, g, beta, initial_state=s0, chunk_size=32)
+  o_ref, s_ref = _numpy_loop(q, k, v, g, beta, s0, None, dk ** -0.5)
+  _assert_close(o, o_ref, name="o")
+  _assert_close(s, s_ref, name="final_state")
+  loss = lambda fn, *a: jnp.sum(fn(*a, initial_state=s0)[0] * v) + jnp.sum(
+      fn(*a, initial_state=s0)[1])
+  grads = jax.grad(lambda *a: loss(kda.kda_chunked, *a), argnums=(0, 1, 3, 4))(q, k, v, g, beta)
+  grads_ref = jax.grad(lambda *a: loss(kda.kda_recurrent, *a), argnums=(0, 1, 3, 4))(
+      q, k, v, g, beta)
+  for name, x, ref in zip(("q", "k", "g", "beta"), grads, grads_ref):
+    assert bool(jnp.all(jnp.isfinite(x))), name
+    _assert_close(x, ref, 1e-3, f"d{name}")
+
+
+def test_chunked_lower_bound_promise():
+  # g saturated at the bound −5 over a long sequence (half-tile sums exactly −40): the form
+  # chosen at trace time from lower_bound=-5 equals the recurrent scan and the cond path.
+  t, h, dk, dv = 200, 2, 8, 8
+  q, k, v, _, beta, s0 = _inputs(13, 1, t, h, dk, dv)
+  g = jnp.full((1, t, h, dk), -5.0, jnp.float32)
+  o, s = kda.kda_chunked(q, k, v, g, beta, initial_state=s0, lower_bound=-5.0)
+  o_ref, s_ref = kda.kda_recurrent(q, k, v, g, beta, initial_state=s0)
+  assert bool(jnp.all(jnp.isfinite(o)))
+  _assert_close(o, o_ref, name="o")
+  _assert_close(s, s_ref, name="final_state")
+  o2, _ = kda.kda_chunked(q, k, v, g, beta, initial_state=s0)
+  np.testing.assert_allclose(o, o2, rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match="lower_bound must be None or a negative number"):
+    kda.kda_chunked(q, k, v, g, beta, lower_bound=5.0)
+
+
 def test_step_loop_reproduces_chunked():
   q, k, v, g, beta, s0 = _inputs(5, 2, 19, 2, 8, 8, bounded=False)
   o_ref, s_ref = kda.kda_chunked(q, k, v, g, beta, initial_state=s0, chunk_size=16)
