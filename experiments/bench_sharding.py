@@ -1,26 +1,45 @@
 """Scale-out benchmark: compiled memory per device at pod scale, and EP vs replicated MoE.
 
-Part "memory": the full `k3` training step (forward + backward + the real optimizer: Per-Head
-Muon / AdamW + Quantile Balancing) is lowered and compiled — never run — for a mesh of N
-devices, from abstract inputs only (`jax.ShapeDtypeStruct` with shardings; no parameter is
-ever allocated). The N devices are simulated CPU devices of a subprocess
-(`--xla_force_host_platform_device_count=N`), so `compiled.memory_analysis()` reports XLA's
-per-device buffer plan (arguments = the state shard + the batch shard, outputs, temporaries).
+Part "memory": the full training step (forward + backward + the real optimizer: Per-Head
+Muon / AdamW + Quantile Balancing) of the `k3` preset is lowered and compiled — never run —
+for a mesh of N devices, from abstract inputs only (`jax.ShapeDtypeStruct` with shardings; no
+parameter is ever allocated), and `compiled.memory_analysis()` gives XLA's per-device buffer
+plan (arguments = the state shard + the batch shard, outputs, temporaries).
+  --target tpu (default): deviceless ahead-of-time compilation for a TPU topology
+    (`jax.experimental.topologies.get_topology_desc`, e.g. v5p:8x8x4 = 256 chips). Needs the
+    optional `libtpu` package (`pip install -e '.[tpu_aot]'`), but no TPU: the devices are
+    compile-only; the process itself stays on JAX_PLATFORMS=cpu.
+  --target cpu: N simulated CPU devices of a subprocess
+    (`--xla_force_host_platform_device_count=N`); needs tens of GB of RAM at N=256.
+  --num_layers L compiles a shallower k3 (same widths) — for the depth extrapolation in
+    docs/notes/sharding.md, and for quick checks.
+  The model constrains its residual stream to batch sharding at every layer boundary
+  (`k3jax.sharding.constrain_activations`). When XLA:TPU refuses a plan larger than the chip's HBM
+  (RESOURCE_EXHAUSTED), that message is the result (an entry with "error").
 
-Part "ep": on 8 simulated CPU devices, the `small` preset's jitted train step with experts
-sharded over `expert` (all_to_all dispatch) vs. the same step with experts replicated and the
-batch split over `data` (informative only: CPU "devices" share the same cores).
+Part "state": per-device bytes of params + optimizer state from the shardings alone
+(AbstractMesh; no compile).
+
+Part "ep": on N simulated CPU devices (--ep_devices, default 8), the `small` preset's jitted
+train step with experts sharded over `expert` (all_to_all dispatch) vs. the same step with
+experts replicated and the batch split over `data`; one layout per subprocess
+(informative only: CPU "devices" share the same cores). Default depth 2 (one dense + one MoE
+layer) to fit a small machine's RAM.
 
 Usage:
-  .venv/bin/python experiments/bench_sharding.py                  # both parts, table + JSON
+  .venv/bin/python experiments/bench_sharding.py                  # state + memory (TPU AOT) + ep
   .venv/bin/python experiments/bench_sharding.py --part memory --devices 256
-  .venv/bin/python experiments/bench_sharding.py --part ep --steps 5
+  .venv/bin/python experiments/bench_sharding.py --part memory --devices 2048 --num_layers 9
+  .venv/bin/python experiments/bench_sharding.py --part memory --preset tiny --devices 4
+      --layout fsdp=2,expert=2 --topology v5p:2x2x1 --seq_len 64      # a few CPU-minutes
+  .venv/bin/python experiments/bench_sharding.py --part ep --ep_devices 4 --steps 5
   --out FILE writes the JSON object too; the last printed line is that JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import json
 import os
@@ -33,17 +52,52 @@ LAYOUTS = {
     256: dict(data=1, fsdp=4, expert=64, context=1, tensor=1),
     2048: dict(data=1, fsdp=32, expert=64, context=1, tensor=1),
 }
+# TPU v5p slices (95 GiB HBM per chip) with those chip counts, for --target tpu.
+TOPOLOGIES = {256: "v5p:8x8x4", 2048: "v5p:16x16x8"}
 # Parameters sharded over fsdp AND expert (dense weights too), fallbacks to fsdp alone.
 PARAM_AXES = ("fsdp", "expert")
+LIBTPU_MISSING = (
+    "--target tpu needs the optional `libtpu` package for deviceless TPU compilation (no TPU "
+    "is needed): pip install -e '.[tpu_aot]' (pins the libtpu release of the installed jax). "
+    "Or use --target cpu (simulated CPU devices; needs far more RAM and time).")
 
 
-def _k3_config(seq_len: int):
+def parse_layout(text: str) -> dict[str, int]:
+  """'fsdp=2,expert=2' -> {'fsdp': 2, 'expert': 2} (missing mesh axes are 1)."""
+  out = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    name, sep, val = item.partition("=")
+    if not sep or not val.strip().lstrip("-").isdigit():
+      raise ValueError(f"--layout: expected axis=size pairs like 'fsdp=4,expert=64', "
+                       f"found {item!r}")
+    out[name.strip()] = int(val)
+  return out
+
+
+def _model_config(preset_name: str, num_layers: int | None):
   from k3jax.config import preset
-  return preset("k3", dtype="bfloat16", remat=True, scan_layers=True,
-                moe_capacity_factor=1.25)
+  over = dict(dtype="bfloat16", remat=True, scan_layers=True, moe_capacity_factor=1.25,
+              kernel_backend="xla")
+  if num_layers:
+    over["num_layers"] = num_layers
+  return preset(preset_name, **over)
 
 
-def memory_part(num_devices: int, seq_len: int, per_device_batch: int) -> dict:
+def tpu_devices(topology: str, num_devices: int) -> list:
+  """Compile-only TPU devices of `topology` (needs libtpu, not a TPU)."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise SystemExit(LIBTPU_MISSING)
+  from jax.experimental import topologies
+  devices = list(topologies.get_topology_desc(topology, "tpu").devices)
+  if len(devices) != num_devices:
+    raise ValueError(f"--topology {topology} has {len(devices)} devices, --devices={num_devices}")
+  return devices
+
+
+def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target: str = "tpu",
+                topology: str | None = None, preset_name: str = "k3",
+                num_layers: int | None = None, layout: dict | None = None,
+                muon: bool = True) -> dict:
   import jax
   import jax.numpy as jnp
   import flax.linen as nn
@@ -54,11 +108,17 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int) -> dict:
   from k3jax.train import trainer
   from k3jax.train.step import TrainState
 
-  if jax.device_count() != num_devices:
-    raise ValueError(f"--devices={num_devices}: this process has {jax.device_count()} devices")
-  layout = LAYOUTS[num_devices]
-  mesh = sharding.make_mesh(layout)
-  config = _k3_config(seq_len)
+  layout = dict(layout or LAYOUTS[num_devices])
+  if target == "tpu":
+    topology = topology or TOPOLOGIES[num_devices]
+    devices = tpu_devices(topology, num_devices)
+  else:
+    devices = jax.devices()
+    if len(devices) != num_devices:
+      raise ValueError(f"--devices={num_devices}: this process has {len(devices)} devices")
+  mesh = sharding.make_mesh(layout, devices=devices)
+  layout = {a: int(s) for a, s in mesh.shape.items()}
+  config = _model_config(preset_name, num_layers)
   batch_size = per_device_batch * sharding.axis_size(mesh, sharding.BATCH_AXES)
   sharding.check_shapes(config, mesh, batch_size=batch_size, seq_len=seq_len)
   rules = sharding.axis_rules(param_axes=PARAM_AXES)
@@ -66,6 +126,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int) -> dict:
   cfg = trainer.base_config("tiny")
   cfg.train.batch_size = batch_size
   cfg.train.seq_len = seq_len
+  cfg.optim.muon = muon            # False: AdamW for the matrices too (the trainer's baseline)
   t0 = time.perf_counter()
   tx, _, step_fn, _ = trainer._build(cfg, config, jit_step=lambda f: f)   # the raw step
   boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
@@ -97,17 +158,28 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int) -> dict:
   ma = compiled.memory_analysis()
   n_params = sum(x.size for x in jax.tree.leaves(variables))
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  shs = jax.tree.leaves(state_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  state_dev = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                  for x, s in zip(jax.tree.leaves(state), shs))
   gib = 2.0 ** 30
+  peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+          + ma.temp_size_in_bytes)
   return dict(
-      part="memory", devices=num_devices, layout=layout, param_axes=list(PARAM_AXES),
+      part="memory", target=target, topology=topology if target == "tpu" else None,
+      device_kind=getattr(devices[0], "device_kind", str(devices[0].platform)),
+      optimizer="muon" if muon else "adamw",
+      devices=num_devices, layout=layout, param_axes=list(PARAM_AXES), preset=preset_name,
+      num_layers=config.num_layers, stack_layout=list(config.stack_layout()),
       seq_len=seq_len, global_batch=batch_size, per_device_batch=per_device_batch,
       dtype=config.dtype, remat=config.remat, capacity_factor=config.moe_capacity_factor,
       params=int(n_params), state_gib_total=state_bytes / gib,
+      state_gib_per_device=state_dev / gib,
+      argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
+      alias_bytes=int(ma.alias_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
+      generated_code_bytes=int(ma.generated_code_size_in_bytes), peak_bytes=int(peak),
       argument_gib=ma.argument_size_in_bytes / gib, output_gib=ma.output_size_in_bytes / gib,
       temp_gib=ma.temp_size_in_bytes / gib, alias_gib=ma.alias_size_in_bytes / gib,
-      peak_gib=(ma.argument_size_in_bytes + ma.output_size_in_bytes
-                - ma.alias_size_in_bytes + ma.temp_size_in_bytes) / gib,
-      lower_s=t1 - t0, compile_s=t2 - t1)
+      peak_gib=peak / gib, lower_s=t1 - t0, compile_s=t2 - t1)
 
 
 def state_part(num_devices: int) -> dict:
@@ -125,7 +197,7 @@ def state_part(num_devices: int) -> dict:
 
   layout = LAYOUTS[num_devices]
   mesh = sharding.abstract_mesh(layout, num_devices)
-  config = _k3_config(4096)
+  config = _model_config("k3", None)
   rules = sharding.axis_rules(param_axes=PARAM_AXES)
   tx, _, _, _ = trainer._build(trainer.base_config("tiny"), config, jit_step=lambda f: f)
   boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
@@ -151,9 +223,17 @@ def state_part(num_devices: int) -> dict:
               state_gib_per_device=per_device(state, sh))
 
 
-def ep_part(steps: int, batch_size: int, seq_len: int) -> dict:
+def ep_layouts(n: int) -> dict:
+  return {"replicated": (f"replicated experts (data={n})", dict(data=n)),
+          "expert": (f"expert parallel (expert={n})", dict(data=1, expert=n))}
+
+
+def ep_part(layout_key: str, steps: int, batch_size: int, seq_len: int,
+            num_layers: int = 0) -> dict:
+  """One layout of the EP comparison (each in its own process: peak memory of one compile)."""
   import jax
   import jax.numpy as jnp
+  import numpy as np
 
   from k3jax import sharding
   from k3jax.model import K3Model
@@ -161,41 +241,46 @@ def ep_part(steps: int, batch_size: int, seq_len: int) -> dict:
   from k3jax.train import trainer
   from k3jax.train.step import create_state
 
+  import jax as _jax
+  name, layout = ep_layouts(_jax.device_count())[layout_key]
   cfg = trainer.base_config("small")
   cfg.train.batch_size = batch_size
   cfg.train.seq_len = seq_len
+  if num_layers:
+    cfg.model.num_layers = num_layers
   config = trainer.model_config(cfg)
-  rows = []
-  for name, layout in (("replicated experts (data=8)", dict(data=8)),
-                       ("expert parallel (expert=8)", dict(data=1, expert=8))):
-    mesh = sharding.make_mesh(layout)
-    boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                           jnp.zeros((1, 8), jnp.int32))
-    tx, _, step_fn, _ = trainer._build(cfg, config, sharding.make_jit_step(mesh, boxed))
-    state = create_state(config, jax.random.PRNGKey(0), tx)
-    rng = __import__("numpy").random.default_rng(0)
-    batch = data_lib.pack_windows(rng.integers(0, 256, size=(batch_size, seq_len + 2)))
+  mesh = sharding.make_mesh(layout)
+  sharding.check_shapes(config, mesh, batch_size=batch_size, seq_len=seq_len)
+  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
+                         jnp.zeros((1, 8), jnp.int32))
+  tx, _, step_fn, _ = trainer._build(cfg, config, sharding.make_jit_step(mesh, boxed))
+  state = create_state(config, jax.random.PRNGKey(0), tx)
+  rng = np.random.default_rng(0)
+  batch = data_lib.pack_windows(rng.integers(0, 256, size=(batch_size, seq_len + 2)))
+  t0 = time.perf_counter()
+  state, m = step_fn(state, batch)
+  jax.block_until_ready(m["loss"])
+  compile_s = time.perf_counter() - t0
+  times, losses = [], [float(m["loss"])]
+  for _ in range(steps):
     t0 = time.perf_counter()
     state, m = step_fn(state, batch)
     jax.block_until_ready(m["loss"])
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-      t0 = time.perf_counter()
-      state, m = step_fn(state, batch)
-      jax.block_until_ready(m["loss"])
-      times.append(time.perf_counter() - t0)
-    times.sort()
-    med = times[len(times) // 2]
-    rows.append(dict(name=name, layout=layout, step_s=med, compile_s=compile_s,
-                     tokens_per_s=batch_size * seq_len / med, loss=float(m["loss"])))
-  return dict(part="ep", preset="small", batch_size=batch_size, seq_len=seq_len, steps=steps,
-              rows=rows)
+    times.append(time.perf_counter() - t0)
+    losses.append(float(m["loss"]))
+  med = sorted(times)[len(times) // 2]
+  return dict(part="ep_row", name=name, layout=layout, preset="small",
+              num_layers=config.num_layers, batch_size=batch_size,
+              seq_len=seq_len, steps=steps, step_s=med, step_s_all=times,
+              compile_s=compile_s, tokens_per_s=batch_size * seq_len / med, losses=losses)
 
 
-def _subprocess(args: list[str], devices: int) -> dict:
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
+def _subprocess(args: list[str], devices: int | None) -> dict:
+  """Run this script's `--child` in a fresh process: `devices` simulated CPU devices, or (None)
+  one CPU device for deviceless TPU compilation."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if devices:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   out = subprocess.run([sys.executable, __file__, *args, "--child"], env=env,
                        capture_output=True, text=True)
   if out.returncode:
@@ -203,23 +288,90 @@ def _subprocess(args: list[str], devices: int) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _print(r: dict) -> None:
+  if r["part"] == "memory" and r.get("error"):
+    print(f"{r['preset']} train step, {r['devices']} devices on {r['topology']}, layout "
+          f"{r['layout']}, optimizer {r['optimizer']}: XLA refused to compile: {r['error']}")
+  elif r["part"] == "memory":
+    where = (f"{r['topology']} ({r['device_kind']}, deviceless AOT)" if r["target"] == "tpu"
+             else "simulated CPU devices")
+    print(f"{r['preset']} train step ({r['num_layers']} layers), {r['devices']} devices on "
+          f"{where}, layout {r['layout']} (params over {'+'.join(r['param_axes'])}), "
+          f"{r['global_batch']}x{r['seq_len']} tokens, {r['dtype']}, remat={r['remat']}, "
+          f"optimizer {r['optimizer']}:")
+    print(f"  per device: arguments {r['argument_gib']:.2f} GiB, outputs "
+          f"{r['output_gib']:.2f} GiB (aliased {r['alias_gib']:.2f}), temporaries "
+          f"{r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB "
+          f"(state {r['state_gib_per_device']:.2f} GiB/device, {r['state_gib_total']:.0f} GiB "
+          f"in all; lower {r['lower_s']:.0f} s, compile {r['compile_s']:.0f} s)")
+
+  elif r["part"] == "state":
+    print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
+          f"{'+'.join(r['param_axes'])}): {r['params'] / 1e12:.4f}T params, state "
+          f"{r['state_gib_total']:.0f} GiB in all; per device: params "
+          f"{r['params_gib_per_device']:.2f} GiB + optimizer {r['opt_gib_per_device']:.2f} GiB"
+          f" = {r['state_gib_per_device']:.2f} GiB")
+  else:
+    print(f"small train step ({r['num_layers']} layers) on {r['devices']} simulated CPU "
+          f"devices, batch "
+          f"{r['batch_size']}x"
+          f"{r['seq_len']}, median of {r['steps']} steps:")
+    print(f"  {'layout':32s} {'step s':>8s} {'tokens/s':>10s} {'compile s':>10s}")
+    for row in r["rows"]:
+      print(f"  {row['name']:32s} {row['step_s']:8.3f} {row['tokens_per_s']:10.0f} "
+            f"{row['compile_s']:10.1f}")
+    if r.get("ep_over_replicated") is not None:
+      print(f"  step time EP / replicated = {r['ep_over_replicated']:.2f}")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--part", default="all", choices=("all", "memory", "state", "ep"))
-  p.add_argument("--devices", type=int, default=0, help="memory part: 256 or 2048 (default both)")
+  p.add_argument("--devices", type=int, default=0, help="memory/state: 256 or 2048 (default both)")
+  p.add_argument("--target", default="tpu", choices=("tpu", "cpu"),
+                 help="memory part: deviceless TPU AOT (needs libtpu) or simulated CPU devices")
+  p.add_argument("--topology", default=None,
+                 help=f"memory part, --target tpu: TPU topology (default {TOPOLOGIES})")
+  p.add_argument("--preset", default="k3", help="memory part: model preset (default k3)")
+  p.add_argument("--num_layers", type=int, default=0,
+                 help="memory part: override the preset's depth (0 = the preset's)")
+  p.add_argument("--layout", default=None,
+                 help="memory part: mesh sizes 'fsdp=4,expert=64' (default: the recommended)")
+  p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
+                 help="memory part: the trainer's Per-Head Muon (default) or AdamW for all")
   p.add_argument("--seq_len", type=int, default=4096, help="memory part: tokens per sequence")
   p.add_argument("--per_device_batch", type=int, default=1)
   p.add_argument("--steps", type=int, default=5, help="ep part: timed steps (median)")
-  p.add_argument("--ep_batch", type=int, default=16)
-  p.add_argument("--ep_seq_len", type=int, default=128)
+  p.add_argument("--ep_batch", type=int, default=8)
+  p.add_argument("--ep_seq_len", type=int, default=64)
+  p.add_argument("--ep_devices", type=int, default=8,
+                 help="ep part: simulated CPU devices (the replicated layout holds one full\n"
+                      "copy of state + step temporaries per device in this process's RAM)")
+  p.add_argument("--ep_num_layers", type=int, default=2,
+                 help="ep part: depth of the small model (default 2: one dense + one MoE\n"
+                      "layer; 0 = the preset's 8, whose replicated fp32 state on 8\n"
+                      "simulated devices alone needs ~11 GB of RAM)")
+  p.add_argument("--ep_layout", default=None, choices=("expert", "replicated"),
+                 help=argparse.SUPPRESS)
   p.add_argument("--out", default=None)
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  layout = parse_layout(a.layout) if a.layout else None
+  if a.part in ("all", "memory") and not a.devices and (layout or a.topology):
+    p.error("--layout / --topology need --devices")
+  if (a.part in ("all", "memory") and a.target == "tpu"
+      and importlib.util.find_spec("libtpu") is None):
+    p.error(LIBTPU_MISSING)
 
-  if a.child:  # inside a subprocess with the right simulated device count
-    res = (memory_part(a.devices, a.seq_len, a.per_device_batch) if a.part == "memory"
-           else ep_part(a.steps, a.ep_batch, a.ep_seq_len))
+  if a.child:  # inside a subprocess with the right (simulated) devices
+    if a.part == "memory":
+      res = memory_part(a.devices, a.seq_len, a.per_device_batch, target=a.target,
+                        topology=a.topology, preset_name=a.preset,
+                        num_layers=a.num_layers or None, layout=layout,
+                        muon=a.optimizer == "muon")
+    else:
+      res = ep_part(a.ep_layout, a.steps, a.ep_batch, a.ep_seq_len, a.ep_num_layers)
     print(json.dumps(res))
     return
 
@@ -229,34 +381,36 @@ def main(argv=None):
       results.append(state_part(n))
   if a.part in ("all", "memory"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
-      results.append(_subprocess(["--part", "memory", "--devices", str(n), "--seq_len",
-                                  str(a.seq_len), "--per_device_batch",
-                                  str(a.per_device_batch)], n))
+      args = ["--part", "memory", "--devices", str(n), "--target", a.target, "--seq_len",
+              str(a.seq_len), "--per_device_batch", str(a.per_device_batch), "--preset",
+              a.preset, "--num_layers", str(a.num_layers)]
+      args += ["--topology", a.topology] if a.topology else []
+      args += ["--layout", a.layout] if a.layout else []
+      args += ["--optimizer", a.optimizer]
+      try:
+        results.append(_subprocess(args, n if a.target == "cpu" else None))
+      except RuntimeError as e:
+        # XLA:TPU refuses to compile a plan that does not fit the chip's HBM: that is a result.
+        if a.target != "tpu" or "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        msg = [l for l in str(e).splitlines() if "RESOURCE_EXHAUSTED" in l][-1].strip()
+        results.append(dict(part="memory", target="tpu", devices=n, preset=a.preset,
+                            num_layers=a.num_layers or None, layout=a.layout or LAYOUTS.get(n),
+                            topology=a.topology or TOPOLOGIES.get(n),
+                            optimizer=a.optimizer, error=msg))
   if a.part in ("all", "ep"):
-    results.append(_subprocess(["--part", "ep", "--steps", str(a.steps), "--ep_batch",
-                                str(a.ep_batch), "--ep_seq_len", str(a.ep_seq_len)], 8))
+    rows = [_subprocess(["--part", "ep", "--ep_layout", key, "--steps", str(a.steps),
+                         "--ep_batch", str(a.ep_batch), "--ep_seq_len", str(a.ep_seq_len),
+                         "--ep_num_layers", str(a.ep_num_layers)], a.ep_devices)
+            for key in ("replicated", "expert")]
+    results.append(dict(part="ep", preset="small", devices=a.ep_devices,
+                        num_layers=rows[0]["num_layers"],
+                        batch_size=a.ep_batch,
+                        seq_len=a.ep_seq_len, steps=a.steps, rows=rows,
+                        ep_over_replicated=rows[1]["step_s"] / rows[0]["step_s"]))
 
   for r in results:
-    if r["part"] == "memory":
-      print(f"k3 train step, {r['devices']} devices, layout {r['layout']} (params over "
-            f"{'+'.join(r['param_axes'])}), {r['global_batch']}x{r['seq_len']} tokens, "
-            f"{r['dtype']}, remat={r['remat']}:")
-      print(f"  per device: arguments {r['argument_gib']:.1f} GiB, outputs "
-            f"{r['output_gib']:.1f} GiB (aliased {r['alias_gib']:.1f}), temporaries "
-            f"{r['temp_gib']:.1f} GiB, peak ≈ {r['peak_gib']:.1f} GiB "
-            f"(state total {r['state_gib_total']:.0f} GiB; compile {r['compile_s']:.0f} s)")
-    elif r["part"] == "state":
-      print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
-            f"{'+'.join(r['param_axes'])}): {r['params'] / 1e12:.4f}T params, state "
-            f"{r['state_gib_total']:.0f} GiB in all; per device: params "
-            f"{r['params_gib_per_device']:.2f} GiB + optimizer {r['opt_gib_per_device']:.2f} GiB"
-            f" = {r['state_gib_per_device']:.2f} GiB")
-    else:
-      print(f"small train step on 8 CPU devices, batch {r['batch_size']}x{r['seq_len']}:")
-      print(f"  {'layout':32s} {'step s':>8s} {'tokens/s':>10s} {'compile s':>10s}")
-      for row in r["rows"]:
-        print(f"  {row['name']:32s} {row['step_s']:8.3f} {row['tokens_per_s']:10.0f} "
-              f"{row['compile_s']:10.1f}")
+    _print(r)
   blob = json.dumps({"results": results})
   if a.out:
     with open(a.out, "w") as f:

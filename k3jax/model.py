@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax import sharding
 from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig, dtype_of
 from k3jax.layers.attnres import AttnResMixer
 from k3jax.layers.kda import KDA as KDALayer
@@ -56,6 +57,9 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, state, layer_index, segment_ids=None):
+    # The residual stream (h, or the AttnRes blocks and partial sum) enters and leaves every
+    # layer batch-sharded (and sequence-sharded over `context`) under an active mesh.
+    state = sharding.constrain_activations(state)
     cfg = self.config
     eps = cfg.rms_norm_eps
     attn = (KDALayer if self.mixer == KDA else MLALayer)(cfg, name="self_attn")
@@ -69,7 +73,7 @@ class DecoderLayer(nn.Module):
     if not self.attn_res:
       h = state
       h = h + attn(input_norm(h), segment_ids).astype(h.dtype)
-      return h + mlp(post_norm(h)).astype(h.dtype)
+      return sharding.constrain_activations(h + mlp(post_norm(h)).astype(h.dtype))
 
     bs = cfg.attn_res_block_size
     blocks, partial = state
@@ -101,7 +105,7 @@ class DecoderLayer(nn.Module):
     partial = partial + attn(input_norm(h), segment_ids).astype(partial.dtype)
     h = mlp_mixer(blocks, partial, slots < blocks_before(layer_index + 1, bs))
     partial = partial + mlp(post_norm(h)).astype(partial.dtype)
-    return blocks, partial
+    return sharding.constrain_activations((blocks, partial))
 
 
 class LayerGroup(nn.Module):
@@ -212,7 +216,9 @@ class K3Model(nn.Module):
       mtp = MTP(cfg, name="mtp")
       if return_mtp:
         seg = None if segment_ids is None else segment_ids[:, 1:]
-        mtp_logits = self._head(embed, head, mtp(h[:, :-1], embed(tokens[:, 1:]), seg))
+        # T−1 positions: batch-sharded only (T−1 need not divide the context axis).
+        mtp_in = sharding.constrain_activations((h[:, :-1], embed(tokens[:, 1:])), context=False)
+        mtp_logits = self._head(embed, head, mtp(*mtp_in, seg))
         return logits, mtp_logits
       mtp(h, x, segment_ids)  # init only: create the MTP params whatever T is
     return logits

@@ -301,6 +301,28 @@ def batch_spec(ndim: int, context: bool = True) -> P:
   return P(BATCH_AXES, "context")
 
 
+def constrain_activations(tree: Any, *, context: bool = True) -> Any:
+  """Under an active mesh (`activate`): every array [..., B, T, d] of `tree` constrained to
+  batch over (data, fsdp, expert), T over context (unless `context=False`), d replicated — the
+  layout of the residual stream between layers. Without the constraint XLA may carry the FSDP
+  sharding of the weights' `embed` dim into the activations, which then hold the whole global
+  batch on every device (docs/notes/sharding.md). Axes a dimension does not divide are dropped.
+  Without an active mesh the tree is returned unchanged."""
+  mesh = active_mesh()
+  if mesh is None:
+    return tree
+
+  def one(x):
+    if not hasattr(x, "ndim") or x.ndim < 3:
+      return x
+    lead = (None,) * (x.ndim - 3)
+    spec = P(*lead, BATCH_AXES, "context" if context else None, None)
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, _divisible_spec(x.shape, spec, mesh)))
+
+  return jax.tree.map(one, tree)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2, context: bool = True) -> NamedSharding:
   """Sharding of a [B, T, ...] batch array: batch over (data, fsdp, expert), T over context."""
   return NamedSharding(mesh, batch_spec(ndim, context))
@@ -460,6 +482,6 @@ __all__ = [
     "MESH_AXES", "BATCH_AXES", "LOGICAL_AXIS_RULES", "axis_rules", "MeshConfig", "mesh_shape",
     "make_mesh", "abstract_mesh", "axis_size", "activate", "active_mesh", "logical_to_sharding",
     "logical_specs", "param_shardings", "opt_state_shardings", "batch_spec", "batch_sharding",
-    "batch_shardings", "cache_shardings", "check_shapes", "train_state_shardings", "put_batch",
+    "batch_shardings", "cache_shardings", "check_shapes", "constrain_activations", "train_state_shardings", "put_batch",
     "make_jit_step", "uses_mesh", "initialize_distributed",
 ]
