@@ -14,9 +14,11 @@ def test_resolve():
 
 
 def test_kda_falls_back_to_xla_for_unbounded_gates_and_packing():
-  assert backend.kda_chunked_fn("xla", lower_bound=-5.0) is kda_chunked
-  assert backend.kda_chunked_fn("pallas", lower_bound=None) is kda_chunked
-  assert backend.kda_chunked_fn("pallas", lower_bound=-5.0, packed=True) is kda_chunked
+  # The XLA op, told the gate's bound (it picks its diagonal-tile form at trace time from it).
+  for fn, bound in ((backend.kda_chunked_fn("xla", lower_bound=-5.0), -5.0),
+                    (backend.kda_chunked_fn("pallas", lower_bound=None), None),
+                    (backend.kda_chunked_fn("pallas", lower_bound=-5.0, packed=True), -5.0)):
+    assert fn.func is kda_chunked and fn.keywords == {"lower_bound": bound}
   fn = backend.kda_chunked_fn("pallas", lower_bound=-5.0)
   assert fn.func.__name__ == "kda_chunked_pallas"
 

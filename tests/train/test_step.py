@@ -35,7 +35,9 @@ def test_accumulated_step_equals_whole_batch_step():
                      jax.tree.leaves(state.params)):
     step = float(jnp.max(jnp.abs(b - p)))
     moved += step > 0
-    np.testing.assert_allclose(a - p, b - p, rtol=1e-4, atol=1e-5 * step + 1e-9)
+    # fp32 sums in another order: differences ~1e-4 of the step; a wrong normalisation of a
+    # micro-batch would be tens of percent.
+    np.testing.assert_allclose(a - p, b - p, rtol=1e-3, atol=1e-3 * step + 1e-9)
   assert moved > 10
   # Statistics: loads and drops add up over micro-batches, the max logit is the max.
   assert set(m1["stats"]) == set(m2["stats"])
