@@ -157,3 +157,25 @@ def test_activate_sets_the_active_mesh():
     assert sharding.active_mesh() is mesh
     assert nn.logical_to_mesh_axes(("batch", "length")) == P(sharding.BATCH_AXES, "context")
   assert sharding.active_mesh() is None
+
+
+def test_constrain_activations_shards_batch_and_sequence():
+  mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, context=4))
+  x = jnp.arange(2 * 8 * 3, dtype=jnp.float32).reshape(2, 8, 3)      # [B, T, d]
+  blocks = jnp.ones((5, 2, 8, 3))                                     # [n, B, T, d]
+  odd = jnp.ones((2, 7, 3))                                           # T=7: context dropped
+
+  def f(x, blocks, odd):
+    with sharding.activate(mesh):
+      a, b = sharding.constrain_activations((x, blocks))
+      c = sharding.constrain_activations(odd)
+      d = sharding.constrain_activations(x, context=False)
+    return a, b, c, d
+
+  a, b, c, d = jax.jit(f)(x, blocks, odd)
+  np.testing.assert_array_equal(a, x)                 # values untouched
+  assert a.sharding.spec == P("fsdp", "context")
+  assert b.sharding.spec == P(None, "fsdp", "context")
+  assert c.sharding.spec == P("fsdp")
+  assert d.sharding.spec == P("fsdp")
+  assert sharding.constrain_activations(x) is x       # no active mesh: unchanged
