@@ -167,8 +167,9 @@ def _check_ids(arr: np.ndarray, what: str, vocab_size: int) -> None:
     raise ValueError(f"data.source: {what} has ids outside [0, {vocab_size})")
 
 
-def _read_text_docs(source: str) -> list[tuple[str, bytes]]:
-  """(name, bytes) of the documents behind a user path (file, directory or glob)."""
+def _read_text_docs(source: str) -> list[tuple[str, bytes | np.ndarray | None]]:
+  """(name, data) of the documents behind a user path (file, directory or glob): data is the
+  text's bytes, a pre-tokenized array (array-record) or None (an `.npy` shard, read later)."""
   if os.path.isdir(source):
     paths = sorted(str(p) for p in pathlib.Path(source).rglob("*")
                    if p.suffix in (".txt", ".jsonl", ".npy", ARRAY_RECORD_SUFFIX)
