@@ -31,8 +31,6 @@ then only merges in the in-block partial (`ops.attnres.attn_res_merge`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import functools
 from typing import Any, Callable, Sequence
 

@@ -159,12 +159,12 @@ def gather_rows(src: Array, index: Array, valid: Array, inv_index: Array,
 
 
 def _gather_rows_fwd(src, index, valid, inv_index, inv_valid):
-  return gather_rows(src, index, valid, inv_index, inv_valid), (index, valid, inv_index,
-                                                               inv_valid)
+  # Only the inverse map is needed backwards (the forward map is not kept as a residual).
+  return gather_rows(src, index, valid, inv_index, inv_valid), (inv_index, inv_valid)
 
 
 def _gather_rows_bwd(res, g):
-  index, valid, inv_index, inv_valid = res
+  inv_index, inv_valid = res
   d_src = jnp.sum(jnp.where(inv_valid[..., None], g[inv_index], jnp.zeros((), g.dtype)), axis=1)
   return d_src, None, None, None, None
 

@@ -303,9 +303,7 @@ def maybe_context_parallel(kda_fn: Callable) -> Callable:
           segment_ids=None):
     if scale is None:
       scale = k.shape[-1] ** -0.5
-    if q.shape[1] % sharding.axis_size(mesh, CONTEXT):
-      raise ValueError(f"q: sequence length {q.shape[1]} is not divisible by the context axis "
-                       f"size {sharding.axis_size(mesh, CONTEXT)}")
+    _check_divisible(mesh, q.shape[1], "q")
     return kda_context_parallel_sharded(
         mesh, q, k, v, g, beta, scale=scale, initial_state=initial_state,
         chunk_size=chunk_size, segment_ids=segment_ids, kda_fn=kda_fn)
