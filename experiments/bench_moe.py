@@ -83,10 +83,11 @@ def _method(name, n, k, e):
   return method, moe.capacity(n, k, e, float(cf))
 
 
-def drop_fractions(n, e, k, names, seed=0):
+def drop_fractions(n, d, f, e, k, names, seed=0):
   """Fraction of (token, expert) pairs over capacity for each `sort@CF` name, under two
-  routings: the benchmark's (sigmoid of N(0,1) logits) and a skewed router (per-expert logit
-  offsets N(0, 0.5²)) after one Quantile Balancing step fitted on another batch."""
+  routings: the benchmark's own (the indices `bench_experts` times: sigmoid of N(0,1) logits)
+  and a skewed router (per-expert logit offsets N(0, 0.5²)) after one Quantile Balancing step
+  fitted on another batch."""
   from k3jax.ops import balance
   rng = np.random.default_rng(seed)
   skew = rng.normal(size=e) * 0.5
@@ -95,7 +96,7 @@ def drop_fractions(n, e, k, names, seed=0):
   fit = scores(rng.normal(size=(n, e)) + skew)
   _, _, cutoff = moe.route(fit, jnp.zeros(e), k)
   qb = balance.qb_bias_exact(fit, cutoff, k)
-  routings = {"bench": (_problem(n, 8, 8, e, k, seed)[2]),
+  routings = {"bench": _problem(n, d, f, e, k)[2],   # same arguments as bench_experts
               "skewed_qb": moe.route(scores(rng.normal(size=(n, e)) + skew), qb, k)[1]}
   out = {}
   for name in names:
@@ -227,7 +228,7 @@ def main(argv):
   print(f"backend={jax.default_backend()} devices={jax.device_count()} cpus={os.cpu_count()} "
         f"load1={load:.1f}  N={n} D={d} F={f} E={e} k={k}  fp32, fwd+bwd")
   res = bench_experts(n, d, f, e, k, FLAGS.methods, FLAGS.repeats)
-  drops = drop_fractions(n, e, k, FLAGS.methods)
+  drops = drop_fractions(n, d, f, e, k, FLAGS.methods)
   dense = res["dense"][0]
   ns = FLAGS.small_tokens
   small = bench_experts(ns, d, f, e, k, FLAGS.small_methods,
