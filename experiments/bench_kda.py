@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -188,8 +189,7 @@ def _torch_impl(name):
   if name in ("fla_naive", "fla_chunk"):
     try:
       if name == "fla_naive":
-        mod = importlib.import_module("fla.ops.kda.naive")
-        fn = mod.naive_chunk_kda
+        fn = _load_fla_naive().naive_chunk_kda
       else:
         mod = importlib.import_module("fla.ops.kda")
         fn = mod.chunk_kda
@@ -197,6 +197,24 @@ def _torch_impl(name):
       return None, f"flash-linear-attention (fla) not installed ({type(e).__name__})"
     return (lambda q, k, v, g, beta: fn(q, k, v, g, beta, output_final_state=True)), None
   return None, f"unknown torch implementation {name!r}"
+
+
+def _load_fla_naive():
+  """fla.ops.kda.naive, by path when the package's __init__ needs triton (CPU-only machines).
+
+  naive.py imports only torch and einops; fla's __init__ imports every Triton kernel.
+  """
+  try:
+    return importlib.import_module("fla.ops.kda.naive")
+  except ImportError:
+    spec = importlib.util.find_spec("fla")  # locates the package without running __init__
+    if spec is None or not spec.submodule_search_locations:
+      raise
+    path = os.path.join(spec.submodule_search_locations[0], "ops", "kda", "naive.py")
+    file_spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(mod)
+    return mod
 
 
 def _bench_torch(fn, data, dtype, args, device="cpu"):

@@ -241,13 +241,9 @@ def _tile_masks(num_tiles: int):
   """Constant tile-level masks of the chunk's decay computation."""
   a_idx = jnp.arange(num_tiles)
   return dict(
-      # [a, b]: column tile b strictly before row tile a
-      before=(a_idx[None, :] < a_idx[:, None]).astype(jnp.float32),
       # [a, b, c]: b < c < a (tiles strictly between b and a)
       between=((a_idx[None, None, :] > a_idx[None, :, None])
                & (a_idx[None, None, :] < a_idx[:, None, None])).astype(jnp.float32),
-      # [a, b]: same tile
-      eq=(a_idx[None, :] == a_idx[:, None]).astype(jnp.float32),
       # [b, c]: c > b (tiles after b)
       later=(a_idx[None, :] > a_idx[:, None]).astype(jnp.float32),
   )
@@ -303,33 +299,39 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
   k_last = kt * jnp.exp(suf + later[..., None, :])                 # k_i·exp(G_C − G_i)
   decay = jnp.exp(jnp.sum(g, axis=-2))                             # Γ_C [...,K]
 
-  # Scores A (k·k) and P (q·k) of row tile a, relative to the reference point just before
-  # tile a: row factor exp(Σ_{start(a)≤s≤t} g) ≤ 1 times a column factor. For column tiles
-  # b < a the column factor exp(Σ_{i<s<start(a)} g) = exp(between_ab)·exp(suf_i) ≤ 1.
-  # Fast form: the reference point of row tile a moves to its middle, G_ref = G_{start(a)} +
-  # ref_a with ref_a = Σ over its first half (≥ −40): row factors gain e^{−ref_a} ≤ e^{40},
-  # off-diagonal column factors e^{ref_a} (still ≤ 1).
+  # Scores A (k·k) and P (q·k), one row tile a at a time (only its columns i < end(a) are
+  # computed), relative to a reference point in tile a: row factor exp(G_t − G_ref) times
+  # column factor exp(G_ref − G_i). Column tiles b < a: exp(G_ref − G_i) = exp(suf_i +
+  # between_ab + ref_a) ≤ 1 (a direct sum of g). Fast form: the reference point is tile a's
+  # middle, ref_a = Σ over its first half (≥ −40): row factors ≤ e^{40} and the diagonal tile
+  # is part of the same matmul (column factors ≤ e^{40}); otherwise the reference point is
+  # the tile start (ref_a = 0, row factors ≤ 1) and the diagonal tile is pairwise.
+  # (A loop over the nt row tiles: the equivalent [a, b, i, K] broadcast product made the
+  # backward pass ~10x slower on XLA:CPU, its reductions running over non-minor axes.)
   ref = pre[..., max(tile // 2, 1) - 1, :] if fast else jnp.zeros_like(tot)  # [...,a,K]
-  ksuf = kt * jnp.exp(suf)                                         # [...,b,i,K]
-  ebetween = jnp.exp(jnp.minimum(between, 0.0) + ref[..., :, None, :]) * (
-      mk["before"][:, :, None])                                    # [...,a,b,K]
-  kcol = ebetween[..., :, :, None, :] * ksuf[..., None, :, :, :]   # [...,a,b,i,K], 0 unless b<a
-  row = jnp.exp(pre - ref[..., :, None, :])
-  lhs = jnp.concatenate([kt, qt], axis=-2) * jnp.concatenate([row] * 2, axis=-2)
-  scores = lambda kc: jnp.einsum("...atk,...aik->...ati", lhs, kc.reshape(*lead, nt, c, dk))
-
-  if fast:
-    # Diagonal tile (b = a) too: column factor exp(G_ref − G_i) ≤ e^{40} (second half).
-    kdiag = kt * jnp.exp(ref[..., :, None, :] - pre)               # [...,a,i,K]
-    s_all = scores(kcol + kdiag[..., :, None, :, :] * mk["eq"][:, :, None, None])
-  else:
-    # Diagonal tile: pairwise exp(G_t − G_j), t ≥ j, never a positive exponent.
+  if not fast:
     a_diag, p_diag = _diag_scores(pre, kt, qt)                     # [...,a,ts,ts] each
-    # (Placed by an einsum with the identity: the equivalent broadcast-multiply by the tile
-    # mask made XLA:CPU (jax 0.10.2) segfault in the backward pass.)
-    eye = jnp.eye(nt, dtype=jnp.float32)
-    blockdiag = lambda x: jnp.einsum("...atj,ab->...atbj", x, eye).reshape(*lead, nt, tile, c)
-    s_all = scores(kcol) + jnp.concatenate([blockdiag(a_diag), blockdiag(p_diag)], axis=-2)
+  rows = []
+  for a in range(nt):
+    ref_a = ref[..., a, None, :]                                   # [...,1,K]
+    row = jnp.exp(pre[..., a, :, :] - ref_a)
+    lhs = jnp.concatenate([kt[..., a, :, :], qt[..., a, :, :]], axis=-2) * jnp.concatenate(
+        [row, row], axis=-2)                                       # [...,2ts,K]
+    cols = []
+    if a:
+      colfac = jnp.exp(suf[..., :a, :, :]
+                       + (jnp.minimum(between[..., a, :a, :], 0.0) + ref_a)[..., :, None, :])
+      cols.append((kt[..., :a, :, :] * colfac).reshape(*lead, a * tile, dk))
+    if fast:
+      cols.append(kt[..., a, :, :] * jnp.exp(ref_a - pre[..., a, :, :]))
+    parts_a = []
+    if cols:
+      parts_a.append(jnp.einsum("...tk,...ik->...ti", lhs, jnp.concatenate(cols, axis=-2)))
+    if not fast:
+      parts_a.append(jnp.concatenate([a_diag[..., a, :, :], p_diag[..., a, :, :]], axis=-2))
+    s_a = jnp.concatenate(parts_a, axis=-1) if len(parts_a) > 1 else parts_a[0]
+    rows.append(jnp.pad(s_a, [(0, 0)] * (s_a.ndim - 1) + [(0, c - (a + 1) * tile)]))
+  s_all = jnp.stack(rows, axis=-3)                                 # [...,a,2ts,C]
   a_mat, p_mat = s_all[..., :tile, :], s_all[..., tile:, :]
   a_mat = jnp.where(jnp.tri(c, k=-1, dtype=bool), a_mat.reshape(*lead, c, c), 0.0)
   p_mat = jnp.where(jnp.tri(c, dtype=bool), p_mat.reshape(*lead, c, c), 0.0)
@@ -347,20 +349,10 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
     k_last = k_last * f
     decay = decay * m[..., -1, :]
 
-  # WY/UT transform: (I + N) [W_v | W_k] = β ⊙ [V | Γ⊙K], N = diag(β) A strictly lower,
-  # by block forward substitution over the 16-token tiles.
+  # WY/UT transform: (I + N) [W_v | W_k] = β ⊙ [V | Γ⊙K], N = diag(β) A strictly lower.
   n_mat = beta[..., None] * a_mat
   rhs = beta[..., None] * jnp.concatenate([v, k_gamma], axis=-1)
-  n_tiles = n_mat.reshape(*lead, nt, tile, nt, tile)
-  inv_diag = _unit_lower_inverse(_diag_blocks(n_tiles))              # [...,nt,ts,ts]
-  solved = []
-  for a in range(nt):
-    r = rhs[..., a * tile:(a + 1) * tile, :]
-    if a:
-      done = jnp.concatenate(solved, axis=-2)
-      r = r - jnp.einsum("...ti,...iw->...tw", n_mat[..., a * tile:(a + 1) * tile, :a * tile], done)
-    solved.append(jnp.einsum("...ti,...iw->...tw", inv_diag[..., a, :, :], r))
-  w = jnp.concatenate(solved, axis=-2)
+  w = _unit_lower_solve(n_mat, rhs, tile)
   dv = v.shape[-1]
   return dict(w_v=w[..., :dv], w_k=w[..., dv:], q_gamma=q_gamma, p_mat=p_mat, k_last=k_last,
               decay=decay)
@@ -417,6 +409,55 @@ def _diag_scores_bwd(res, cts):
 
 
 _diag_scores.defvjp(_diag_scores_fwd, _diag_scores_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _unit_lower_solve(n_mat, rhs, tile: int):
+  """W = (I + N)^-1 rhs for strictly lower-triangular N `[...,C,C]`, rhs `[...,C,W]`.
+
+  Block forward substitution over `tile`-row tiles (diagonal blocks inverted by
+  `_unit_lower_inverse`). Hand-written backward (autodiff through the substitution steps and
+  the squarings was ~5x the forward on XLA:CPU): with Y = (I + N)^-T dW (block backward
+  substitution, the same inverted diagonal blocks transposed), d rhs = Y and
+  dN = −Y Wᵀ on the strictly lower triangle.
+  """
+  return _unit_lower_solve_fwd(n_mat, rhs, tile)[0]
+
+
+def _unit_lower_solve_fwd(n_mat, rhs, tile):
+  c = n_mat.shape[-1]
+  nt = c // tile
+  rows = lambda x, a: x[..., a * tile:(a + 1) * tile, :]
+  inv_diag = _unit_lower_inverse(_diag_blocks(
+      n_mat.reshape(*n_mat.shape[:-2], nt, tile, nt, tile)))       # [...,nt,ts,ts]
+  solved = []
+  for a in range(nt):
+    r = rows(rhs, a)
+    if a:
+      r = r - jnp.einsum("...ti,...iw->...tw", rows(n_mat, a)[..., :a * tile],
+                         jnp.concatenate(solved, axis=-2))
+    solved.append(jnp.einsum("...ti,...iw->...tw", inv_diag[..., a, :, :], r))
+  w = jnp.concatenate(solved, axis=-2)
+  return w, (n_mat, inv_diag, w)
+
+
+def _unit_lower_solve_bwd(tile, res, dw):
+  n_mat, inv_diag, w = res
+  c = n_mat.shape[-1]
+  nt = c // tile
+  ys = [None] * nt
+  for a in reversed(range(nt)):                                    # (I + N)ᵀ Y = dW
+    r = dw[..., a * tile:(a + 1) * tile, :]
+    if a < nt - 1:
+      below = n_mat[..., (a + 1) * tile:, a * tile:(a + 1) * tile]    # N[rows after a, tile a]
+      r = r - jnp.einsum("...it,...iw->...tw", below, jnp.concatenate(ys[a + 1:], axis=-2))
+    ys[a] = jnp.einsum("...it,...iw->...tw", inv_diag[..., a, :, :], r)
+  y = jnp.concatenate(ys, axis=-2)
+  d_n = jnp.where(jnp.tri(c, k=-1, dtype=bool), -jnp.einsum("...tw,...iw->...ti", y, w), 0.0)
+  return d_n, y
+
+
+_unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
 
 
 def _diag_blocks(n_tiles):
