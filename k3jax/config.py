@@ -60,6 +60,10 @@ class ModelConfig:
   # q_a_layernorm / kv_a_layernorm eps: 1e-6 in Moonshot's and transformers' code (DeepSeek-V3's
   # default), unlike the decoder norms' rms_norm_eps.
   mla_latent_norm_eps: float = 1e-6
+  # Training/prefill attention over more queries than this runs in query blocks of this size,
+  # each rematerialised in the backward pass (temporaries [B,H,block,S] instead of [B,H,T,S]);
+  # None: all queries at once. Numerics are the same.
+  mla_query_block: int | None = 512
 
   # --- MLPs and Stable LatentMoE (§6)
   activation: Literal["situ", "swiglu"] = "situ"
@@ -184,6 +188,9 @@ class ModelConfig:
             "(k+1)-th score as the routing cutoff")
     if self.q_lora_rank is not None and self.q_lora_rank <= 0:
       bad("q_lora_rank", f"expected a positive int or None, found {self.q_lora_rank!r}")
+    if self.mla_query_block is not None and (
+        not isinstance(self.mla_query_block, int) or self.mla_query_block <= 0):
+      bad("mla_query_block", f"expected a positive int or None, found {self.mla_query_block!r}")
     if self.latent_moe_dim is not None and self.latent_moe_dim <= 0:
       bad("latent_moe_dim", f"expected a positive int or None, found {self.latent_moe_dim!r}")
     if self.kda_lower_bound is not None and not (

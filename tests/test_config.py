@@ -48,6 +48,7 @@ def test_kimi_linear_switches():
     (dict(experts_per_token=8), "experts_per_token"),
     (dict(activation="gelu"), "activation"),
     (dict(kda_lower_bound=-7.0), "kda_lower_bound"),
+    (dict(mla_query_block=0), "mla_query_block"),
     (dict(kda_chunk_size=24), "kda_chunk_size"),
     (dict(d_model=0), "d_model"),
     (dict(kernel_backend="cuda"), "kernel_backend"),

@@ -83,7 +83,8 @@ class MLA(nn.Module):
     q = self.query(x)
     k, v = self.keys_values(*self.latent(x))
     attention = backend.mla_attention_fn()   # context-parallel under a context mesh
-    o, max_logit = attention(q, k, v, scale=cfg.qk_head_dim ** -0.5, segment_ids=segment_ids)
+    o, max_logit = attention(q, k, v, scale=cfg.qk_head_dim ** -0.5, segment_ids=segment_ids,
+                             query_block=cfg.mla_query_block)
     sow_stat(self, "max_logit", max_logit)
     return self.output(x, o)
 

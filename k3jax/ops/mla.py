@@ -13,7 +13,9 @@ over batch and all allowed (query, key) pairs — the statistic QK-Clip needs (�
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 _NEG = -1e30  # finite "minus infinity": a masked logit, never produces nan
 
@@ -46,10 +48,22 @@ def _softmax_and_max(logits, mask):
   return probs, max_logit
 
 
-def mla_attention(q, k, v, *, scale: float | None = None, segment_ids=None, kv_mask=None):
+def _attend(q, k, v, mask, scale):
+  """Softmax attention of q [B,T,H,Dk] over k, v with an allowed-pairs mask [B,1,T,S]."""
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+  probs, max_logit = _softmax_and_max(logits, mask)
+  return jnp.einsum("bhts,bshv->bthv", probs, v.astype(jnp.float32)), max_logit
+
+
+def mla_attention(q, k, v, *, scale: float | None = None, segment_ids=None, kv_mask=None,
+                  query_block: int | None = None):
   """Causal softmax attention. q [B,T,H,Dk], k [B,S,H,Dk], v [B,S,H,V] → (o fp32 [B,T,H,V], max_logit [H]).
 
   scale defaults to Dk^-0.5 (MLA: (nope+rope)^-0.5).
+  query_block: None (all T queries at once: fp32 logits [B,H,T,S]), or, when T is larger, the
+    queries in blocks of this many (`lax.map`), each block rematerialised in the backward
+    pass, so the largest temporaries are [B,H,query_block,S] (k3 at T=4096: 6 GiB of fp32
+    logits per sequence otherwise). Same maths, row by row.
   """
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"mla_attention: q, k, v must be rank 4, found {q.shape}, {k.shape}, {v.shape}")
@@ -61,12 +75,22 @@ def mla_attention(q, k, v, *, scale: float | None = None, segment_ids=None, kv_m
     raise ValueError(f"mla_attention: v must be [B,S,H,V] with B,S,H={b},{s},{h}, found {v.shape}")
   if t > s:
     raise ValueError(f"mla_attention: queries T={t} must not exceed keys S={s}")
+  if query_block is not None and (not isinstance(query_block, int) or query_block < 1):
+    raise ValueError(f"mla_attention: query_block must be None or a positive int, found "
+                     f"{query_block!r}")
   scale = dk ** -0.5 if scale is None else scale
-  logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-  probs, max_logit = _softmax_and_max(logits, attention_mask(b, t, s, segment_ids=segment_ids,
-                                                             kv_mask=kv_mask))
-  o = jnp.einsum("bhts,bshv->bthv", probs, v.astype(jnp.float32))
-  return o, max_logit
+  mask = attention_mask(b, t, s, segment_ids=segment_ids, kv_mask=kv_mask)
+  if query_block is None or t <= query_block:
+    return _attend(q, k, v, mask, scale)
+  n = -(-t // query_block)
+  pad = n * query_block - t
+  # Padded query rows have no allowed key: zero output, logits at _NEG (never the max).
+  qb = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, query_block, h, dk)
+  mb = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, 1, n, query_block, s)
+  block = jax.checkpoint(lambda qm: _attend(qm[0], k, v, qm[1], scale))
+  o, m = lax.map(block, (jnp.moveaxis(qb, 1, 0), jnp.moveaxis(mb, 2, 0)))
+  o = jnp.moveaxis(o, 0, 1).reshape(b, n * query_block, h, -1)[:, :t]
+  return o, jnp.max(m, axis=0)
 
 
 def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_kb, w_vb, *, scale: float,

@@ -258,7 +258,8 @@ def maybe_context_parallel_conv(conv_fn: Callable) -> Callable:
 
 
 def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
-  """`attn_fn(q, k, v, *, scale, segment_ids=None) → (o, max_logit [H])` (ops.mla_attention)
+  """`attn_fn(q, k, v, *, scale, segment_ids=None, query_block=None) → (o, max_logit [H])`
+  (ops.mla_attention)
   itself, or — when the active mesh has context > 1 — the same attention with queries sharded
   over the sequence and keys/values all-gathered (`mla_attention_context_parallel`); the max
   logit is reduced over every shard."""
@@ -273,7 +274,8 @@ def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
     o, m = mla_attention_context_parallel(q, k, v, scale=scale, segment_ids=seg)
     return o, (jax.lax.pmax(m, batch_axes) if batch_axes else m)
 
-  def run(q, k, v, *, scale=None, segment_ids=None):
+  def run(q, k, v, *, scale=None, segment_ids=None, query_block=None):
+    del query_block  # each shard already holds only T / context queries
     _check_divisible(mesh, q.shape[1], "MLA q")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if segment_ids is None:

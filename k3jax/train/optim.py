@@ -28,10 +28,12 @@ Every logit of head h, q_n·k_n + q_r·k_r, is then multiplied by exactly γ, so
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
 from k3jax.tree_paths import path_str
@@ -98,7 +100,13 @@ def orthogonalize_blocks(g: jax.Array, path: str, steps: int = 5,
   perm = batch + (fin, fout)
   inv = tuple(sorted(range(len(perm)), key=perm.__getitem__))
   blocks = jnp.transpose(g, perm)
-  out = newton_schulz(blocks, steps) * (scale * max(g.shape[fin], g.shape[fout]) ** 0.5)
+  if _is_scanned(path) and blocks.shape[0] > 1:
+    # One scanned layer at a time: the fp32 Gram matrices of all layers at once were the
+    # largest temporaries of the k3 step (f32[22,14,3072,3072] per device, docs/notes/sharding.md).
+    out = lax.map(functools.partial(newton_schulz, steps=steps), blocks)
+  else:
+    out = newton_schulz(blocks, steps)
+  out = out * (scale * max(g.shape[fin], g.shape[fout]) ** 0.5)
   return jnp.transpose(out, inv).astype(g.dtype)
 
 

@@ -59,6 +59,39 @@ def test_attention_matches_loop(shape, packed, seed):
   np.testing.assert_allclose(mx, rmx, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_query_blocks_equal_all_queries(packed):
+  # T = 11 in blocks of 4 (last block padded), queries offset into S = 13 keys, a document
+  # boundary inside a block: outputs, max logit and gradients as with all queries at once.
+  rng = np.random.default_rng(7)
+  b, t, s, h = 2, 11, 13, 3
+  q = jnp.asarray(rng.normal(size=(b, t, h, 6)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(b, s, h, 6)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(b, s, h, 5)), jnp.float32)
+  seg = jnp.asarray(np.repeat([[0] * 6 + [1] * 7], b, 0) if packed else np.zeros((b, s)),
+                    jnp.int32)
+  w = jnp.asarray(rng.normal(size=(b, t, h, 5)), jnp.float32)
+
+  def run(block):
+    def loss(q, k, v):
+      o, mx = mla.mla_attention(q, k, v, scale=0.3, segment_ids=seg, query_block=block)
+      return jnp.sum(o * w), (o, mx)
+    (_, (o, mx)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v)
+    return o, mx, grads
+
+  o0, mx0, g0 = run(None)
+  o1, mx1, g1 = run(4)
+  ro, rmx = _np_attention(q, k, v, 0.3, np.asarray(seg))
+  np.testing.assert_allclose(o0, ro, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(o1, o0, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(mx1, rmx, rtol=1e-5, atol=1e-5)
+  for a, c in zip(g1, g0):
+    np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="query_block"):
+    mla.mla_attention(q, k, v, query_block=0)
+
+
 def test_default_scale_and_kv_mask():
   rng = np.random.default_rng(0)
   q = rng.normal(size=(2, 3, 2, 4)).astype(np.float32)
