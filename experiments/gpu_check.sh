@@ -10,9 +10,10 @@
 #      export tests (jax.export lowering with the machine's jax);
 #   3. python -m experiments.bench_kda --gpu_suite (B=1, H=96, K=V=128, bf16, T=8K then 32K:
 #      XLA chunked vs Pallas vs flash-linear-attention's Triton chunk_kda), one run per T;
+#      then the CPU set's 16K sizes in fp32: chunked vs recurrent vs fla's naive_chunk_kda;
 #   4. python -m experiments.bench_moe --json.
 # Everything lands in $OUT (at most 8 files come back): summary.txt, env.txt, tests.log,
-# bench_kda.log, bench_kda_8k.json, bench_kda_32k.json, bench_moe.log.
+# bench_kda.log, bench_kda_8k.json, bench_kda_32k.json, bench_kda_16k_fp32.json, bench_moe.log.
 # Needs `.whl/` carried: flash_linear_attention-0.6.0 and fla_core-0.6.0 wheels (pure Python;
 # torch, triton, einops and transformers are on the machine). See docs/notes/pallas_kda.md.
 #
@@ -33,14 +34,19 @@ TESTENV="env JAX_DEFAULT_MATMUL_PRECISION=highest"
 
 DRY="${GPU_CHECK_DRY:-0}"
 if [ "$DRY" = "1" ]; then
-  PLATFORM=cpu; T_ENV=60; T_TESTS=240; T_MOE_TESTS=120; T_KDA8=120; T_KDA32=5; T_MOE=120
+  PLATFORM=cpu; T_ENV=60; T_TESTS=240; T_MOE_TESTS=120; T_KDA8=120; T_KDA32=5; T_SMALL=120
+  T_MOE=120
+  KDA_SMALL_ARGS="--sizes 256x2x64 --impls chunked,recurrent,fla_naive --repeats 1"
   KDA_8K_ARGS="--sizes 256x2x64 --impls chunked,pallas --repeats 1"
   KDA_32K_ARGS="--sizes 512x2x64 --impls chunked,pallas --repeats 1"
 else
-  # Limits (s): 20 + 110 + 40 + 110 + 110 + 70 = 460 at worst (< 8 minutes).
-  PLATFORM=cuda; T_ENV=20; T_TESTS=110; T_MOE_TESTS=40; T_KDA8=110; T_KDA32=110; T_MOE=70
+  # Limits (s): 20 + 110 + 40 + 100 + 80 + 60 + 60 = 470 at worst (< 8 minutes).
+  PLATFORM=cuda; T_ENV=20; T_TESTS=110; T_MOE_TESTS=40; T_KDA8=100; T_KDA32=80; T_SMALL=60
+  T_MOE=60
   KDA_8K_ARGS="--gpu_suite --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000"
   KDA_32K_ARGS="--gpu_suite --sizes 32768x96x128 --max_run_gib 60 --max_torch_tokens 40000 --repeats 2"
+  # The CPU benchmark's 16K sizes (fp32): chunked vs the recurrent scan vs fla's naive chunk.
+  KDA_SMALL_ARGS="--sizes 16384x4x64,16384x8x128 --impls chunked,recurrent,fla_naive --repeats 5"
 fi
 export JAX_PLATFORMS="$PLATFORM"
 
@@ -95,6 +101,9 @@ run bench_kda_8k "$T_KDA8" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda $
   --json --out "$OUT/bench_kda_8k.json"
 run bench_kda_32k "$T_KDA32" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda $KDA_32K_ARGS \
   --json --out "$OUT/bench_kda_32k.json"
+
+run bench_kda_16k_fp32 "$T_SMALL" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda \
+  $KDA_SMALL_ARGS --json --out "$OUT/bench_kda_16k_fp32.json"
 
 # 4. MoE benchmark.
 if [ -f experiments/bench_moe.py ]; then

@@ -39,6 +39,21 @@ Two launch forms of the same body:
 On CUDA the kernels are lowered with Triton (`pallas.triton.CompilerParams`), not Mosaic GPU
 (whose lowering on jax 0.10 rejects the plain dots used here).
 
+Shared memory on GPU (H200/sm_90: 232448 bytes per block). The first H200 run (jax 0.11.2)
+failed to compile the backward kernel at chunk 64 even for K = V = 16 ("requested 254976").
+On the Triton target the chunk is therefore capped (GPU_MAX_CHUNK: 16 for fp32 inputs, 32 for
+bf16/fp16); chunking is exact, so only rounding differs from a larger chunk. Figures, in bytes,
+from compiling each kernel's Triton IR (exported on CPU) with the `triton` 3.6 package for cuda
+sm_90 through to LLVM IR, num_warps=8, num_stages=1, block_v=64 (experiments/pallas_smem/:
+capture.py, measure.py); the same tool gave 391168 for the config XLA reported as 254976, so
+these read high:
+    K=V=128 fp32: chunk 64 fwd 114688 | chunk 32 bwd 319488 (block_v 32: 274432) | chunk 16 fwd
+                  35840, bwd 151552  <- used
+    K=V=128 bf16: chunk 32 fwd 40960, bwd 153600  <- used | chunk 16 bwd 75776
+    K=V=16 (tests) fp32 chunk 64 bwd 391168 | chunk 16 bwd 28672; bf16 chunk 32 bwd 72704
+The backward's footprint grows with C and K (the fp32 [C, K], [C, C] operands of its many dots
+and the [K, block_v] state), hardly with block_v.
+
 Limits: needs a bounded gate (`lower_bound`, g >= lower_bound >= -5; see kda_chunked_pallas
 for how a violation is reported); `segment_ids` is not supported (NotImplementedError: use
 kernel_backend='xla'); chunk_size a power of 2 >= 16 (Triton needs power-of-2 blocks).
@@ -54,6 +69,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 _SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None on older jax)
+# Largest chunk on the Triton (GPU) target, by input itemsize: shared memory (module docstring).
+GPU_MAX_CHUNK = {4: 16, 2: 32}
 SUB = 16            # token tile of the inverse-decay rescale
 _LOG2_SUB = 4
 MAX_EXP = 40.0      # largest |exponent| of a diagonal-tile rescale: -lower_bound * SUB / 2
@@ -446,7 +463,8 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
     than 1e-4 gets NaN outputs and final state: a flag that cannot pass unnoticed, without
     checkify. A bounded gate (`kda_gate(..., lower_bound)`) never trips it.
   interpret: None -> True on CPU. target: "tpu" | "gpu" (default: the platform), the lowering
-    to prepare for (export tests set it). launch: "grid" | "loop" (default: loop on GPU, grid
+    to prepare for (export tests set it); on "gpu" chunk_size is capped at GPU_MAX_CHUNK (16 for
+    fp32, 32 for bf16 inputs) so the Triton kernels fit in shared memory. launch: "grid" | "loop" (default: loop on GPU, grid
     otherwise); both give identical results. block_v: V columns per program (default V; 64
     on GPU when V > 64): a power of 2 dividing V.
   segment_ids: not supported (NotImplementedError): use kernel_backend='xla'.
@@ -499,6 +517,8 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
   if dv % block_v or block_v & (block_v - 1):
     raise ValueError(f"kda_chunked_pallas: block_v must be a power of 2 dividing V={dv}, found "
                      f"{block_v}")
+  if target == "gpu":   # shared memory of the Triton kernels (module docstring)
+    chunk_size = min(chunk_size, GPU_MAX_CHUNK.get(jnp.dtype(q.dtype).itemsize, 16))
   if launch == "grid" and target == "gpu" and not interpret:
     raise ValueError("kda_chunked_pallas: launch='grid' carries the state across sequential grid "
                      "steps, which the GPU (Triton) lowering does not run in order; use 'loop'")

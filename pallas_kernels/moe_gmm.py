@@ -26,9 +26,27 @@ production TPU kernel would fetch blocks by scalar-prefetched group metadata (me
 Lowering per platform (checked by tests/pallas_kernels/test_moe_gmm.py with `jax.export`):
   CPU: `interpret=True` (the default there: `interpret=None` → True on CPU).
   TPU: Mosaic TPU (Pallas default).
-  CUDA: Triton (`jax.config.update("jax_pallas_use_mosaic_gpu", False)` while tracing; Mosaic GPU
-        rejects a plain `dot`). Serialising the Triton custom call needs
-        `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")]`.
+  CUDA: Triton. On a GPU backend the kernels pass `pallas.triton.CompilerParams` (GPU_NUM_WARPS,
+        GPU_NUM_STAGES), so every jax version lowers them with Triton (jax 0.10 would default to
+        Mosaic GPU, which rejects a plain `dot`; jax 0.11 dropped `jax_pallas_use_mosaic_gpu`).
+        Exporting from a CPU host on jax 0.10 needs that flag set to False while tracing.
+        Serialising the Triton custom call needs `disabled_checks=[jax.export.DisabledSafetyCheck
+        .custom_call("__gpu$xla.gpu.triton")]`.
+
+Shared memory on GPU (H200/sm_90: 232448 bytes per block). The first H200 run (jax 0.11.2, no
+compiler params: Triton's 4 warps / 3 stages, tiles 128³) failed in fp32 with "requested 327680".
+The tiles are independent of M, K, N and G (reductions loop inside the kernel), so the footprint
+is set by (bm, bk, bn), dtype, num_warps and num_stages alone. Measured by compiling the kernels'
+Triton IR (exported on CPU) with the `triton` 3.6 package for cuda sm_90 to LLVM IR, max over the
+three kernels (gmm, gmm for d lhs, tgmm), bytes:
+    fp32 128/128/128, 4 warps: 3 stages 394240 (XLA reported 327680), 2 stages 262656
+    fp32 128/64/128,  4 warps: 3 stages 295936, 2 stages 197120, 1 stage 98304
+    bf16 128/64/128,  4 warps: 3 stages 140288, 2 stages 90624
+    fp32  64/64/128,  4 warps: 3 stages 147456, 2 stages 98304  <- GPU_TILING, 2 stages
+(128/64/128 also checked at K3-like D=7168, F=3072: same figures as at D=F=256). TPU keeps
+DEFAULT_TILING. The gmm kernel masks the rows of each product rather than of the lhs tile:
+the same result (row r of a·b depends on row r of a only), and it avoids a boolean [bm, 1]
+broadcast in the dot-operand layout that Triton 3.6 fails to lower with one pipeline stage.
 """
 
 from __future__ import annotations
@@ -42,7 +60,12 @@ from jax.experimental import pallas as pl
 from k3jax.ops import moe as moe_ops
 
 Array = jax.Array
-DEFAULT_TILING = (128, 128, 128)  # (bm, bk, bn)
+DEFAULT_TILING = (128, 128, 128)  # (bm, bk, bn): TPU and interpret mode
+# GPU (Triton): tiles and pipeline depth chosen for shared memory (module docstring, "Shared
+# memory on GPU"): at most ~98 KiB per kernel in fp32 for any M, K, N, G.
+GPU_TILING = (64, 64, 128)
+GPU_NUM_WARPS = 4
+GPU_NUM_STAGES = 2
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -70,6 +93,26 @@ def _resolve_interpret(interpret):
   return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
 
+def _on_gpu(interpret: bool) -> bool:
+  return not interpret and jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def _resolve_tiling(tiling, interpret: bool) -> tuple[int, int, int]:
+  if tiling is None:
+    return GPU_TILING if _on_gpu(interpret) else DEFAULT_TILING
+  return tuple(tiling)
+
+
+def _compiler_params(interpret: bool):
+  """Triton parameters on a GPU backend (explicit, so the lowering is Triton on every jax
+  version: jax 0.10 defaults to Mosaic GPU, 0.11 to Triton with 3 pipeline stages); None
+  elsewhere (TPU: Mosaic defaults; interpret mode: unused)."""
+  if not _on_gpu(interpret):
+    return None
+  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
+  return pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
+
+
 def _row_groups(group_sizes: Array, m_pad: int) -> Array:
   """[m_pad, 1] int32 group of every row; rows past Σ sizes get G (matches no group)."""
   ends = jnp.cumsum(group_sizes.astype(jnp.int32))
@@ -88,9 +131,11 @@ def _gmm_kernel(rg_ref, lhs_ref, rhs_ref, out_ref, *, num_groups, bk, num_k):
 
     def k_body(kk, acc):
       a = lhs_ref[:, pl.ds(kk * bk, bk)]
-      a = jnp.where(mask, a, jnp.zeros_like(a))
       b = rhs_ref[g, pl.ds(kk * bk, bk), :]
-      return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+      # Row r of a·b depends on row r of a only, so masking the product's rows equals masking
+      # a's rows; on the [bm, bn] fp32 product the select stays in the accumulator's layout
+      # (Triton 3.6 fails to lower a [bm, 1] boolean mask broadcast in a dot-operand layout).
+      return acc + jnp.where(mask, jnp.dot(a, b, preferred_element_type=jnp.float32), 0.0)
 
     return jax.lax.fori_loop(0, num_k, k_body, acc)
 
@@ -139,6 +184,7 @@ def _gmm_call(lhs, rhs, group_sizes, interpret, tiling):
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((mp, np_), lhs.dtype),
       interpret=interpret,
+      compiler_params=_compiler_params(interpret),
   )(rg, lhs_p, rhs_p)
   return out[:m, :n]
 
@@ -163,6 +209,7 @@ def _tgmm_call(lhs, grad, group_sizes, interpret, tiling):
       out_specs=pl.BlockSpec((1, bk, bn), lambda e, a, b: (e, a, b)),
       out_shape=jax.ShapeDtypeStruct((g, kp, np_), lhs.dtype),
       interpret=interpret,
+      compiler_params=_compiler_params(interpret),
   )(rg, lhs_p, grad_p)
   return out[:, :k, :n]
 
@@ -197,11 +244,12 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm(lhs: Array, rhs: Array, group_sizes: Array, *, interpret: bool | None = None,
-        tiling: tuple[int, int, int] = DEFAULT_TILING) -> Array:
+        tiling: tuple[int, int, int] | None = None) -> Array:
   """Grouped matmul: [M, K] rows sorted by group × rhs [G, K, N] → [M, N] (module docstring).
 
   `interpret=None` → interpreted on CPU, compiled elsewhere. `tiling` = (bm, bk, bn), rounded
-  to powers of two and shrunk for small dims. Differentiable in lhs and rhs.
+  to powers of two and shrunk for small dims; None → GPU_TILING when compiled for a GPU,
+  DEFAULT_TILING otherwise. Differentiable in lhs and rhs.
   """
   _check(lhs, rhs, group_sizes, "gmm")
   if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
@@ -209,18 +257,19 @@ def gmm(lhs: Array, rhs: Array, group_sizes: Array, *, interpret: bool | None = 
   if group_sizes.shape[0] != rhs.shape[0]:
     raise ValueError(f"gmm: group_sizes must be [G={rhs.shape[0]}], found {group_sizes.shape}")
   rhs = rhs.astype(lhs.dtype)
-  return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), _resolve_interpret(interpret),
-              tuple(tiling))
+  interp = _resolve_interpret(interpret)
+  return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), interp, _resolve_tiling(tiling, interp))
 
 
 def tgmm(lhs: Array, grad: Array, group_sizes: Array, *, interpret: bool | None = None,
-         tiling: tuple[int, int, int] = DEFAULT_TILING) -> Array:
+         tiling: tuple[int, int, int] | None = None) -> Array:
   """Transposed grouped matmul: out[g] = lhs[rows of g]ᵀ grad[rows of g] → [G, K, N]."""
   _check(lhs, grad, group_sizes, "tgmm")
   if grad.ndim != 2 or grad.shape[0] != lhs.shape[0]:
     raise ValueError(f"tgmm: grad must be [M={lhs.shape[0]}, N], found shape {grad.shape}")
-  return _tgmm_call(lhs, grad.astype(lhs.dtype), group_sizes.astype(jnp.int32),
-                    _resolve_interpret(interpret), tuple(tiling))
+  interp = _resolve_interpret(interpret)
+  return _tgmm_call(lhs, grad.astype(lhs.dtype), group_sizes.astype(jnp.int32), interp,
+                    _resolve_tiling(tiling, interp))
 
 
 # The permute / unpermute pair around the grouped matmuls lives with the op (kernels build on

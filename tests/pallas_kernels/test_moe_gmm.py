@@ -143,16 +143,22 @@ def test_lowers_for_tpu_mosaic():
 
 
 def test_lowers_for_cuda_triton():
-  # Triton lowering (Mosaic GPU rejects a plain dot); its custom call has no stability
-  # guarantee, so export needs that one safety check disabled.
-  prev = jax.config.jax_pallas_use_mosaic_gpu
-  jax.config.update("jax_pallas_use_mosaic_gpu", False)
+  # Triton lowering; its custom call has no stability guarantee, so export needs that one safety
+  # check disabled. On a GPU backend the kernels pass Triton CompilerParams themselves. Exported
+  # from a CPU host they pass none: jax 0.10 then picks the lowering by the config flag
+  # `jax_pallas_use_mosaic_gpu` (default Mosaic GPU, which rejects a plain dot), so the test sets
+  # it to False; jax >= 0.11 dropped that flag (Triton is the pallas_call default on GPU there).
+  has_flag = hasattr(jax.config, "jax_pallas_use_mosaic_gpu")
+  if has_flag:
+    prev = jax.config.jax_pallas_use_mosaic_gpu
+    jax.config.update("jax_pallas_use_mosaic_gpu", False)
   try:
     exp = jax.export.export(
         jax.jit(_fwd_and_grad), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(*SPECS)
   finally:
-    jax.config.update("jax_pallas_use_mosaic_gpu", prev)
+    if has_flag:
+      jax.config.update("jax_pallas_use_mosaic_gpu", prev)
   assert exp.platforms == ("cuda",)
   assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= 3
