@@ -39,8 +39,7 @@ def token_logprobs(config, variables, tokens, apply_fn=None) -> np.ndarray:
   tokens = jnp.asarray(tokens, jnp.int32)
   if tokens.ndim == 1:
     tokens = tokens[None]
-  # Scoring is inference: dropless MoE whatever capacity factor the model trained with.
-  config = config.replace(moe_capacity_factor=None)
+  config = config.for_inference()   # dropless MoE whatever capacity factor it trained with
   apply_fn = apply_fn or jax.jit(K3Model(config).apply)
   logits = apply_fn(variables, tokens).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)

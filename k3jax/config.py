@@ -147,6 +147,12 @@ class ModelConfig:
   def replace(self, **overrides: Any) -> "ModelConfig":
     return dataclasses.replace(self, **overrides)
 
+  def for_inference(self) -> "ModelConfig":
+    """This config for generation and scoring: dropless MoE. A capacity factor is a
+    training-time layout choice; with the few tokens of a decode step it would drop tokens
+    that pick the same expert."""
+    return self.replace(moe_capacity_factor=None)
+
   @classmethod
   def from_hf_config(cls, d: dict, **overrides: Any) -> "ModelConfig":
     """From a Kimi Linear / Kimi K3 `config.json` dict (logic in k3jax/hf_config.py)."""

@@ -249,10 +249,7 @@ def _mla_mixer(cfg, vs, x, cache: MLACache, lengths, num_new):
 def _mlp(cfg, vs, kind, x):
   if kind == DENSE:
     return MLP(cfg, cfg.dense_intermediate_size).apply(_sub(vs, "mlp"), x)
-  # Inference is dropless: a capacity factor is a training-time layout choice, and with the
-  # few tokens of a decode step it would drop tokens that pick the same expert.
-  cfg = cfg.replace(moe_capacity_factor=None)
-  return StableLatentMoE(cfg).apply(_sub(vs, "block_sparse_moe"), x)
+  return StableLatentMoE(cfg.for_inference()).apply(_sub(vs, "block_sparse_moe"), x)
 
 
 # ============================================================================ AttnRes helpers

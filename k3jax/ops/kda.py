@@ -329,7 +329,7 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
       parts_a.append(jnp.einsum("...tk,...ik->...ti", lhs, jnp.concatenate(cols, axis=-2)))
     if not fast:
       parts_a.append(jnp.concatenate([a_diag[..., a, :, :], p_diag[..., a, :, :]], axis=-2))
-    s_a = jnp.concatenate(parts_a, axis=-1) if len(parts_a) > 1 else parts_a[0]
+    s_a = jnp.concatenate(parts_a, axis=-1)
     rows.append(jnp.pad(s_a, [(0, 0)] * (s_a.ndim - 1) + [(0, c - (a + 1) * tile)]))
   s_all = jnp.stack(rows, axis=-3)                                 # [...,a,2ts,C]
   a_mat, p_mat = s_all[..., :tile, :], s_all[..., tile:, :]

@@ -231,6 +231,18 @@ def _check_divisible(mesh, t: int, what: str) -> None:
     raise ValueError(f"{what}: sequence length {t} is not divisible by the context axis size {n}")
 
 
+def _with_segments(args: tuple, specs: tuple, segment_ids, seg_spec) -> tuple[tuple, tuple]:
+  """shard_map operands and in_specs, with segment ids appended when there are any; the
+  per-shard function takes them as an optional trailing `*seg` (`_segments(seg)`)."""
+  if segment_ids is None:
+    return args, specs
+  return args + (segment_ids,), specs + (seg_spec,)
+
+
+def _segments(seg: tuple):
+  return seg[0] if seg else None
+
+
 def maybe_context_parallel_conv(conv_fn: Callable) -> Callable:
   """`conv_fn(x [B,T,H,C], kernel [W,H,C], segment_ids=None) → fp32` itself, or — when the
   active mesh has context > 1 — the same convolution with each shard receiving its W−1
@@ -243,26 +255,21 @@ def maybe_context_parallel_conv(conv_fn: Callable) -> Callable:
 
   def run(x, kernel, segment_ids=None):
     _check_divisible(mesh, x.shape[1], "short conv x")
-    x = x.astype(jnp.float32)
-    kspec = P(None, "tensor")
-    if segment_ids is None:
-      fn = jax.shard_map(lambda a, w: causal_conv_context_parallel(a, w), mesh=mesh,
-                         in_specs=(bt, kspec), out_specs=bt, check_vma=False)
-      return fn(x, kernel)
-    fn = jax.shard_map(lambda a, w, sg: causal_conv_context_parallel(a, w, segment_ids=sg),
-                       mesh=mesh, in_specs=(bt, kspec, seg_spec), out_specs=bt,
-                       check_vma=False)
-    return fn(x, kernel, segment_ids)
+    args, specs = _with_segments((x.astype(jnp.float32), kernel), (bt, P(None, "tensor")),
+                                 segment_ids, seg_spec)
+    fn = jax.shard_map(
+        lambda a, w, *sg: causal_conv_context_parallel(a, w, segment_ids=_segments(sg)),
+        mesh=mesh, in_specs=specs, out_specs=bt, check_vma=False)
+    return fn(*args)
 
   return run
 
 
 def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
   """`attn_fn(q, k, v, *, scale, segment_ids=None, query_block=None) → (o, max_logit [H])`
-  (ops.mla_attention)
-  itself, or — when the active mesh has context > 1 — the same attention with queries sharded
-  over the sequence and keys/values all-gathered (`mla_attention_context_parallel`); the max
-  logit is reduced over every shard."""
+  (ops.mla_attention) itself, or — when the active mesh has context > 1 — the same attention
+  with queries sharded over the sequence and keys/values all-gathered
+  (`mla_attention_context_parallel`); the max logit is reduced over every shard."""
   mesh = sharding.active_mesh()
   if sharding.axis_size(mesh, CONTEXT) <= 1:
     return attn_fn
@@ -270,22 +277,18 @@ def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
   seg_spec = P(sharding.BATCH_AXES, CONTEXT)
   batch_axes = tuple(a for a in sharding.BATCH_AXES if sharding.axis_size(mesh, a) > 1)
 
-  def body(q, k, v, seg, *, scale):
-    o, m = mla_attention_context_parallel(q, k, v, scale=scale, segment_ids=seg)
+  def body(q, k, v, *seg, scale):
+    o, m = mla_attention_context_parallel(q, k, v, scale=scale, segment_ids=_segments(seg))
     return o, (jax.lax.pmax(m, batch_axes) if batch_axes else m)
 
   def run(q, k, v, *, scale=None, segment_ids=None, query_block=None):
     del query_block  # each shard already holds only T / context queries
     _check_divisible(mesh, q.shape[1], "MLA q")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if segment_ids is None:
-      fn = jax.shard_map(lambda a, b, c: body(a, b, c, None, scale=scale), mesh=mesh,
-                         in_specs=(bt, bt, bt), out_specs=(bt, P("tensor")), check_vma=False)
-      return fn(q, k, v)
-    fn = jax.shard_map(functools.partial(body, scale=scale), mesh=mesh,
-                       in_specs=(bt, bt, bt, seg_spec), out_specs=(bt, P("tensor")),
-                       check_vma=False)
-    return fn(q, k, v, segment_ids)
+    args, specs = _with_segments((q, k, v), (bt, bt, bt), segment_ids, seg_spec)
+    fn = jax.shard_map(functools.partial(body, scale=scale), mesh=mesh, in_specs=specs,
+                       out_specs=(bt, P("tensor")), check_vma=False)
+    return fn(*args)
 
   return run
 
