@@ -46,8 +46,13 @@ Decay factors (every exp is bounded; nothing can overflow, for bounded *and* unb
 The choice is static when the caller promises `lower_bound` ≥ −5 (the layers pass the
 config's bound), otherwise one `lax.cond` on the inputs around the whole computation (both forms
 are compiled). A scan step handles `_GROUP_TOKENS` tokens: the state-independent work of its chunks
-is vectorised, then an inner scan passes the state through them; the step is rematerialised in
-the backward pass.
+is vectorised (`_intra`, with the UT transform as an explicit matrix T, `_ut_matrix`), then an
+inner scan passes the state through them (`_state_pass`: only U and the state recurrence are
+sequential, the outputs and most of the backward are batched matmuls); the step is
+rematerialised in the backward pass.
+Gradients are hand-written where autodiff's were slow on XLA:CPU: the UT matrix, the state
+pass and the pairwise diagonal tiles (β's and Γ_C's gradients are row sums that autodiff
+emits as a multiply-and-reduce, which XLA:CPU's YNNPACK fusion ran ~30x slower than a dot).
 """
 
 from __future__ import annotations
@@ -349,13 +354,12 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
     k_last = k_last * f
     decay = decay * m[..., -1, :]
 
-  # WY/UT transform: (I + N) [W_v | W_k] = β ⊙ [V | Γ⊙K], N = diag(β) A strictly lower.
-  n_mat = beta[..., None] * a_mat
-  rhs = beta[..., None] * jnp.concatenate([v, k_gamma], axis=-1)
-  w = _unit_lower_solve(n_mat, rhs, tile)
-  dv = v.shape[-1]
-  return dict(w_v=w[..., :dv], w_k=w[..., dv:], q_gamma=q_gamma, p_mat=p_mat, k_last=k_last,
-              decay=decay)
+  # WY/UT transform: (I + diag(β) A) [W_v | W_k] = β ⊙ [V | Γ⊙K], A strictly lower, as
+  # T = (I + diag(β) A)^-1 diag(β) times each right-hand side (two dense matmuls).
+  t_mat = _ut_matrix(a_mat, beta, tile)
+  return dict(w_v=jnp.einsum("...ti,...iv->...tv", t_mat, v),
+              w_k=jnp.einsum("...ti,...ik->...tk", t_mat, k_gamma),
+              q_gamma=q_gamma, p_mat=p_mat, k_last=k_last, decay=decay)
 
 
 
@@ -412,52 +416,48 @@ _diag_scores.defvjp(_diag_scores_fwd, _diag_scores_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _unit_lower_solve(n_mat, rhs, tile: int):
-  """W = (I + N)^-1 rhs for strictly lower-triangular N `[...,C,C]`, rhs `[...,C,W]`.
+def _ut_matrix(a_mat, beta, tile: int):
+  """The UT transform's matrix T = (I + N)^-1 diag(β), N = diag(β) A, for strictly
+  lower-triangular A `[...,C,C]` and beta `[...,C]` (then W = T x for a right-hand side x).
 
-  Block forward substitution over `tile`-row tiles (diagonal blocks inverted by
-  `_unit_lower_inverse`). Hand-written backward (autodiff through the substitution steps and
-  the squarings was ~5x the forward on XLA:CPU): with Y = (I + N)^-T dW (block backward
-  substitution, the same inverted diagonal blocks transposed), d rhs = Y and
-  dN = −Y Wᵀ on the strictly lower triangle.
+  The inverse by block forward substitution over `tile`-row tiles (diagonal blocks inverted
+  by `_unit_lower_inverse`): row tile a of (I + N)^-1 is −inv_aa N[a, :a] T[:a, :a] next to
+  inv_aa. Hand-written backward: dN = −(I + N)^-T dT (I + N)^-T on the strictly lower triangle;
+  β's gradients (row and column scalings) as einsums — the multiply-and-reduce that autodiff
+  makes of a broadcast β ran ~30x slower on XLA:CPU (its YNNPACK reduce fusion).
   """
-  return _unit_lower_solve_fwd(n_mat, rhs, tile)[0]
+  return _ut_matrix_fwd(a_mat, beta, tile)[0]
 
 
-def _unit_lower_solve_fwd(n_mat, rhs, tile):
-  c = n_mat.shape[-1]
+def _ut_matrix_fwd(a_mat, beta, tile):
+  c = a_mat.shape[-1]
   nt = c // tile
-  rows = lambda x, a: x[..., a * tile:(a + 1) * tile, :]
+  n_mat = beta[..., None] * a_mat
   inv_diag = _unit_lower_inverse(_diag_blocks(
       n_mat.reshape(*n_mat.shape[:-2], nt, tile, nt, tile)))       # [...,nt,ts,ts]
-  solved = []
-  for a in range(nt):
-    r = rows(rhs, a)
-    if a:
-      r = r - jnp.einsum("...ti,...iw->...tw", rows(n_mat, a)[..., :a * tile],
-                         jnp.concatenate(solved, axis=-2))
-    solved.append(jnp.einsum("...ti,...iw->...tw", inv_diag[..., a, :, :], r))
-  w = jnp.concatenate(solved, axis=-2)
-  return w, (n_mat, inv_diag, w)
+  inv = inv_diag[..., 0, :, :]                                     # (I + N)^-1, first a tiles
+  for a in range(1, nt):
+    inv_aa = inv_diag[..., a, :, :]
+    n_row = n_mat[..., a * tile:(a + 1) * tile, :a * tile]
+    row = -jnp.einsum("...ts,...si->...ti", inv_aa, jnp.einsum("...tj,...ji->...ti", n_row, inv))
+    inv = jnp.concatenate([
+        jnp.pad(inv, [(0, 0)] * (inv.ndim - 1) + [(0, tile)]),
+        jnp.concatenate([row, inv_aa], axis=-1)], axis=-2)
+  return inv * beta[..., None, :], (a_mat, beta, inv)
 
 
-def _unit_lower_solve_bwd(tile, res, dw):
-  n_mat, inv_diag, w = res
-  c = n_mat.shape[-1]
-  nt = c // tile
-  ys = [None] * nt
-  for a in reversed(range(nt)):                                    # (I + N)ᵀ Y = dW
-    r = dw[..., a * tile:(a + 1) * tile, :]
-    if a < nt - 1:
-      below = n_mat[..., (a + 1) * tile:, a * tile:(a + 1) * tile]    # N[rows after a, tile a]
-      r = r - jnp.einsum("...it,...iw->...tw", below, jnp.concatenate(ys[a + 1:], axis=-2))
-    ys[a] = jnp.einsum("...it,...iw->...tw", inv_diag[..., a, :, :], r)
-  y = jnp.concatenate(ys, axis=-2)
-  d_n = jnp.where(jnp.tri(c, k=-1, dtype=bool), -jnp.einsum("...tw,...iw->...ti", y, w), 0.0)
-  return d_n, y
+def _ut_matrix_bwd(tile, res, dt):
+  a_mat, beta, inv = res
+  c = a_mat.shape[-1]
+  d_beta = jnp.einsum("...ti,...ti->...i", dt, inv)                # column scaling diag(β)
+  dt = dt * beta[..., None, :]
+  d_n = -jnp.einsum("...jt,...ji->...ti", inv, jnp.einsum("...jk,...ik->...ji", dt, inv))
+  d_n = jnp.where(jnp.tri(c, k=-1, dtype=bool), d_n, 0.0)          # −invᵀ dT invᵀ
+  d_beta = d_beta + jnp.einsum("...ti,...ti->...t", d_n, a_mat)    # row scaling of N
+  return beta[..., None] * d_n, d_beta
 
 
-_unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
+_ut_matrix.defvjp(_ut_matrix_fwd, _ut_matrix_bwd)
 
 
 def _diag_blocks(n_tiles):
@@ -466,32 +466,87 @@ def _diag_blocks(n_tiles):
   return jnp.stack([n_tiles[..., a, :, a, :] for a in range(nt)], axis=-3)
 
 
-def _inter(state, w_v, w_k, q_gamma, p_mat, k_last, decay):
-  """State passing through one chunk: [B,H,C,·] per-chunk tensors, state [B,H,K,V] fp32."""
-  u = w_v - jnp.einsum("...ck,...kv->...cv", w_k, state)
-  o = jnp.einsum("...ck,...kv->...cv", q_gamma, state) + jnp.einsum("...ci,...iv->...cv", p_mat, u)
-  new_state = decay[..., None] * state + jnp.einsum("...ck,...cv->...kv", k_last, u)
-  return new_state, o
+@jax.custom_vjp
+def _state_pass(state, w_v, w_k, q_gamma, p_mat, k_last, decay):
+  """The state passing through G chunks, chunk axis first: per-chunk tensors `[G,...,C,·]`
+  (`_intra`'s outputs), decay `[G,...,K]`, state `[...,K,V]` fp32.
+
+  Only the recurrence is sequential (a scan over the chunks): U_n = W_v − W_k S_n,
+  S_{n+1} = Γ_C ⊙ S_n + k_lastᵀ U_n. The reads O_n = (Γ⊙Q̃) S_n + P U_n of all chunks are then
+  batched matmuls, and so is everything of the hand-written backward except its reverse
+  recurrence (dU_n = Pᵀ dO_n + k_last dS_{n+1}, dS_n = Γ_C ⊙ dS_{n+1} + (Γ⊙Q̃)ᵀ dO_n − W_kᵀ dU_n):
+  autodiff through the scan ran every per-chunk gradient inside it, and Γ_C's as a
+  multiply-and-reduce that XLA:CPU runs many times slower than the equivalent dot.
+  Returns (final state, O `[G,...,C,V]`). Without differentiation the reads stay inside the
+  scan (nothing per chunk is stored; faster for the forward alone).
+  """
+  def step(s, x):
+    w_v, w_k, q_gamma, p_mat, k_last, decay = x
+    new_s, u = _chunk_recurrence(s, w_v, w_k, k_last, decay)
+    return new_s, _chunk_read(q_gamma, p_mat, s, u)
+
+  return lax.scan(step, state, (w_v, w_k, q_gamma, p_mat, k_last, decay))
 
 
-def _heads_first(x):
-  return jnp.moveaxis(x, -2, 1)                                   # [B,G,C,H,D] -> [B,H,G,C,D]
+def _chunk_recurrence(s, w_v, w_k, k_last, decay):
+  """One chunk: its deltas U = W_v − W_k S and the next state Γ_C ⊙ S + k_lastᵀ U."""
+  u = w_v - jnp.einsum("...ck,...kv->...cv", w_k, s)
+  return decay[..., None] * s + jnp.einsum("...ck,...cv->...kv", k_last, u), u
+
+
+def _chunk_read(q_gamma, p_mat, s, u):
+  """A chunk's outputs O = (Γ⊙Q̃) S + P U."""
+  return jnp.einsum("...ck,...kv->...cv", q_gamma, s) + jnp.einsum("...ci,...iv->...cv", p_mat, u)
+
+
+def _state_pass_fwd(state, w_v, w_k, q_gamma, p_mat, k_last, decay):
+  def step(s, x):
+    new_s, u = _chunk_recurrence(s, *x)
+    return new_s, (s, u)
+
+  final, (starts, u) = lax.scan(step, state, (w_v, w_k, k_last, decay))
+  return ((final, _chunk_read(q_gamma, p_mat, starts, u)),
+          (w_k, q_gamma, p_mat, k_last, decay, starts, u))
+
+
+def _state_pass_bwd(res, cts):
+  w_k, q_gamma, p_mat, k_last, decay, starts, u = res
+  d_final, do = cts
+  pt_do = jnp.einsum("...ci,...cv->...iv", p_mat, do)              # Pᵀ dO  [G,...,C,V]
+  qt_do = jnp.einsum("...ck,...cv->...kv", q_gamma, do)            # (Γ⊙Q̃)ᵀ dO [G,...,K,V]
+
+  def step(ds_next, x):                                            # reverse: dS_{n+1} -> dS_n
+    pt_do, qt_do, w_k, k_last, decay = x
+    du = pt_do + jnp.einsum("...ck,...kv->...cv", k_last, ds_next)
+    ds = decay[..., None] * ds_next + qt_do - jnp.einsum("...ck,...cv->...kv", w_k, du)
+    return ds, (du, ds_next)
+
+  d_state, (du, ds_next) = lax.scan(step, d_final, (pt_do, qt_do, w_k, k_last, decay),
+                                    reverse=True)
+  return (d_state, du,
+          -jnp.einsum("...cv,...kv->...ck", du, starts),           # d W_k
+          jnp.einsum("...cv,...kv->...ck", do, starts),            # d (Γ⊙Q̃)
+          jnp.einsum("...cv,...iv->...ci", do, u),                 # d P
+          jnp.einsum("...cv,...kv->...ck", u, ds_next),            # d k_last
+          jnp.einsum("...kv,...kv->...k", ds_next, starts))        # d Γ_C
+
+
+_state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
 def _group(state, xs, *, tile: int, packed: bool, fast: bool, scale):
   """One scan step: G chunks. xs = (q, k, v, g, beta[, same, m, f]) fp32 in the token-major
-  layout [B,G,C,H,·] (beta [B,G,C,H]; masks [B,1,G,…]: `same` token pairs in one segment, `m`
+  layout [B,G,C,H,·] (beta [B,G,C,H]; masks [G,B,1,…]: `same` token pairs in one segment, `m`
   tokens in the segment carried in from the previous chunk, `f` tokens in the chunk's last
-  segment). The head-major copies are made here, per step (cache-sized), not for the whole
-  sequence. Returns (state after the G chunks, o [B,G,C,H,V])."""
-  q, k, v, g = (_heads_first(x) for x in xs[:4])
-  beta = jnp.moveaxis(xs[4], -1, 1)
+  segment). The chunk- and head-major copies [G,B,H,C,·] are made here, per step
+  (cache-sized), not for the whole sequence. Returns (state after the G chunks,
+  o [B,G,C,H,V])."""
+  q, k, v, g = (jnp.transpose(x, (1, 0, 3, 2, 4)) for x in xs[:4])
+  beta = jnp.transpose(xs[4], (1, 0, 3, 2))
   parts = _intra(q * scale, k, v, g, beta, xs[5:] if packed else None, tile=tile, fast=fast)
-  names = ("w_v", "w_k", "q_gamma", "p_mat", "k_last", "decay")
-  # The sequential part: an inner scan over the G chunks (chunk axis moved first).
-  state, o = lax.scan(lambda s, x: _inter(s, *x), state,
-                      tuple(jnp.moveaxis(parts[n], 2, 0) for n in names))
-  return state, jnp.moveaxis(o, (0, 2), (1, 3))                   # [G,B,H,C,V] -> [B,G,C,H,V]
+  state, o = _state_pass(state, *(parts[n] for n in (
+      "w_v", "w_k", "q_gamma", "p_mat", "k_last", "decay")))
+  return state, jnp.transpose(o, (1, 0, 3, 2, 4))                 # [G,B,H,C,V] -> [B,G,C,H,V]
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
@@ -576,8 +631,8 @@ def _chunked(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_size:
     same = (seg[..., :, None] == seg[..., None, :]).astype(jnp.float32)  # [B,N,C,C]
     m = (seg == prev[..., None]).astype(jnp.float32)[..., None]         # [B,N,C,1]
     f = (seg == seg[..., -1:]).astype(jnp.float32)[..., None]
-    lead = lambda x: jnp.moveaxis(x.reshape(b, steps, group, *x.shape[2:]), 1, 0)[:, :, None]
-    xs = xs + (lead(same), lead(m), lead(f))                            # [S,B,1,G,...]
+    lead = lambda x: jnp.moveaxis(x.reshape(b, steps, group, *x.shape[2:]), (1, 2), (0, 1))
+    xs = xs + tuple(lead(x)[:, :, :, None] for x in (same, m, f))      # [S,G,B,1,...]
 
   state0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
             else initial_state.astype(jnp.float32))
