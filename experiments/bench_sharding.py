@@ -143,7 +143,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   batch_sh = sharding.batch_shardings(mesh, batch)
 
   def traced(s, b):
-    with sharding.activate(mesh, rules):
+    with sharding.activate(mesh, rules, param_shardings=state_sh.params):
       return step_fn(s, b)
 
   abstract = lambda tree, sh: jax.tree.map(  # noqa: E731

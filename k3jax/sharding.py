@@ -177,14 +177,17 @@ def axis_size(mesh: Mesh | jax.sharding.AbstractMesh | None, name: str | Sequenc
 # --------------------------------------------------------------------------- active mesh hook
 # The mesh a traced model runs under. Layers (through k3jax/layers/backend.py) read it to pick
 # the expert-parallel / context-parallel paths; nothing is read when no mesh is active.
-_ACTIVE: list[tuple[Mesh, Any]] = []
+_ACTIVE: list[tuple[Mesh, Any, Any]] = []
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Iterator[Mesh]:
-  """Run (trace) a model under `mesh`: enables the parallel paths and flax's logical rules."""
+def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None,
+             param_shardings: Any = None) -> Iterator[Mesh]:
+  """Run (trace) a model under `mesh`: enables the parallel paths and flax's logical rules.
+  `param_shardings` (the params' NamedSharding tree, optional): what `constrain_like_params`
+  pins gradients to."""
   rules = LOGICAL_AXIS_RULES if rules is None else tuple(rules)
-  _ACTIVE.append((mesh, rules))
+  _ACTIVE.append((mesh, rules, param_shardings))
   try:
     with nn.logical_axis_rules(rules):
       yield mesh
@@ -195,6 +198,19 @@ def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None) -> Iter
 def active_mesh() -> Mesh | None:
   """The mesh set by the innermost `activate`, or None."""
   return _ACTIVE[-1][0] if _ACTIVE else None
+
+
+def constrain_like_params(grads: Any) -> Any:
+  """Gradients pinned to the params' shardings (given to `activate`); unchanged otherwise.
+
+  Without the constraint XLA:TPU kept gradients of batch-sharded matmuls whole on every device
+  (e.g. the fp32 [vocab, d] embedding / lm_head gradients, 4.4 GiB each for k3) and ran the
+  optimizer arithmetic on them before scattering; pinned, it reduce-scatters first and the
+  optimizer works on shards."""
+  shardings = _ACTIVE[-1][2] if _ACTIVE else None
+  if shardings is None:
+    return grads
+  return jax.lax.with_sharding_constraint(grads, shardings)
 
 
 # ----------------------------------------------------------------------- shardings of trees
@@ -422,7 +438,7 @@ def make_jit_step(mesh: Mesh, logical_variables: Any,
     cache: dict[str, Any] = {}
 
     def traced(state, batch):
-      with activate(mesh, rules):
+      with activate(mesh, rules, param_shardings=cache["sh"][0].params):
         return step_fn(state, batch)
 
     def run(state, batch):
@@ -482,6 +498,7 @@ __all__ = [
     "MESH_AXES", "BATCH_AXES", "LOGICAL_AXIS_RULES", "axis_rules", "MeshConfig", "mesh_shape",
     "make_mesh", "abstract_mesh", "axis_size", "activate", "active_mesh", "logical_to_sharding",
     "logical_specs", "param_shardings", "opt_state_shardings", "batch_spec", "batch_sharding",
-    "batch_shardings", "cache_shardings", "check_shapes", "constrain_activations", "train_state_shardings", "put_batch",
+    "batch_shardings", "cache_shardings", "check_shapes", "constrain_activations",
+    "constrain_like_params", "train_state_shardings", "put_batch",
     "make_jit_step", "uses_mesh", "initialize_distributed",
 ]

@@ -179,3 +179,24 @@ def test_constrain_activations_shards_batch_and_sequence():
   assert c.sharding.spec == P("fsdp")
   assert d.sharding.spec == P("fsdp")
   assert sharding.constrain_activations(x) is x       # no active mesh: unchanged
+
+
+def test_constrain_like_params_pins_gradients():
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=8))
+  params = {"w": jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4) / 64.0}
+  param_sh = {"w": NamedSharding(mesh, P("fsdp", None))}
+  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("fsdp", None)))  # batch-sharded
+  grad = jax.grad(lambda p, x: jnp.sum((x @ p["w"]) ** 2))
+
+  def f(p, x):
+    g = grad(p, x)
+    with sharding.activate(mesh, param_shardings=param_sh):
+      pinned = sharding.constrain_like_params(g)
+    with sharding.activate(mesh):                     # no param shardings given: unchanged
+      assert sharding.constrain_like_params(g) is g
+    return pinned
+
+  out = jax.jit(f)(params, x)
+  assert out["w"].sharding.spec == P("fsdp")
+  np.testing.assert_allclose(out["w"], grad(params, jnp.ones((8, 16)))["w"], rtol=1e-6)
+  assert sharding.constrain_like_params(params) is params  # no active mesh: unchanged

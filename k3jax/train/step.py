@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from k3jax import sharding
 from k3jax.config import ModelConfig
 from k3jax.train.balance import flat_stats
 from k3jax.train.optim import qk_clip
@@ -154,6 +155,7 @@ def make_train_step(config: ModelConfig, tx: optax.GradientTransformationExtraAr
   def train_step(state: TrainState, batch: dict):
     (loss, (ce, mtp_ce, stats)), grads = accumulated_grads(
         state.params, state.balance, batch, config, mtp_weight, grad_accum)
+    grads = sharding.constrain_like_params(grads)   # under a mesh: sharded like the params
     variables = state.variables
     zero_b = jax.tree.map(jnp.zeros_like, state.balance)
     updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,
