@@ -261,6 +261,11 @@ def _tile_rows(num_pairs: int, num_experts: int) -> int:
   return max(8, min(256, 1 << (t.bit_length() - 1)))
 
 
+def _rows_per_expert(num_tokens: int, capacity_: int | None) -> int:
+  """An expert's capacity in rows: `capacity_`, at most the token count (N when dropless)."""
+  return num_tokens if capacity_ is None else min(capacity_, num_tokens)
+
+
 def sort_layout(num_tokens: int, k: int, num_experts: int,
                 capacity_: int | None) -> tuple[str, int, int]:
   """Layout of the "sort" method: ("buffer", E·C rows, C) or ("tiled", n_tiles·T rows, T).
@@ -270,7 +275,7 @@ def sort_layout(num_tokens: int, k: int, num_experts: int,
   it has over twice the rows (dropless, C = N, it has E/k times the needed rows).
   """
   p = num_tokens * k
-  c = num_tokens if capacity_ is None else min(capacity_, num_tokens)
+  c = _rows_per_expert(num_tokens, capacity_)
   t = _tile_rows(p, num_experts)
   num_tiles = (p + num_experts * (t - 1)) // t
   if num_experts * c <= 2 * num_tiles * t:
@@ -293,7 +298,7 @@ def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
   n, d = x.shape
   k = indices.shape[1]
   e, _, f = w1.shape
-  c = n if capacity_ is None else min(capacity_, n)
+  c = _rows_per_expert(n, capacity_)
   layout, num_rows, t = sort_layout(n, k, e, capacity_)
   num_tiles = num_rows // t
   s = sort_pairs(indices, e)
