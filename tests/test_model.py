@@ -245,7 +245,10 @@ def test_scan_and_unrolled_are_identical():
   a = jax.jit(lambda v, t: K3Model(cfg).apply(v, t, segment_ids=seg))(v, tok)
   cfg_u = cfg.replace(scan_layers=False)
   b = jax.jit(lambda v, t: K3Model(cfg_u).apply(v, t, segment_ids=seg))(v, tok)
-  np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(a).max())  # fusion differs
+  # fp32 rounding differs with XLA's fusion of the two programs (2 of 8704 logits differed by
+  # 1.2e-5 of the max after KDA's UT transform became an explicit matrix, equally accurate
+  # against a float64 recurrence); a wrong layer order or schedule differs by O(max).
+  np.testing.assert_allclose(a, b, rtol=0, atol=3e-5 * np.abs(a).max())
   ref = reference_forward(cfg, v, tok, seg, layer_cfg=preset("tiny"))  # the traced-layer-index schedule is spec §5
   np.testing.assert_allclose(a, ref, rtol=1e-4, atol=2e-3 * np.abs(ref).max())
 
