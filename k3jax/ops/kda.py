@@ -421,8 +421,8 @@ def _ut_matrix(a_mat, beta, tile: int):
   lower-triangular A `[...,C,C]` and beta `[...,C]` (then W = T x for a right-hand side x).
 
   The inverse by block forward substitution over `tile`-row tiles (diagonal blocks inverted
-  by `_unit_lower_inverse`): row tile a of (I + N)^-1 is −inv_aa N[a, :a] T[:a, :a] next to
-  inv_aa. Hand-written backward: dN = −(I + N)^-T dT (I + N)^-T on the strictly lower triangle;
+  by `_unit_lower_inverse`): row tile a of inv = (I + N)^-1 is −inv_aa N[a, :a] inv[:a, :a]
+  next to inv_aa. Hand-written backward: dN = −(I + N)^-T dT (I + N)^-T on the strictly lower triangle;
   β's gradients (row and column scalings) as einsums — the multiply-and-reduce that autodiff
   makes of a broadcast β ran ~30x slower on XLA:CPU (its YNNPACK reduce fusion).
   """
