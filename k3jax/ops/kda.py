@@ -316,12 +316,10 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
   ref = pre[..., max(tile // 2, 1) - 1, :] if fast else jnp.zeros_like(tot)  # [...,a,K]
   if not fast:
     a_diag, p_diag = _diag_scores(pre, kt, qt)                     # [...,a,ts,ts] each
-  rows = []
+  a_rows, p_rows = [], []
   for a in range(nt):
     ref_a = ref[..., a, None, :]                                   # [...,1,K]
     row = jnp.exp(pre[..., a, :, :] - ref_a)
-    lhs = jnp.concatenate([kt[..., a, :, :], qt[..., a, :, :]], axis=-2) * jnp.concatenate(
-        [row, row], axis=-2)                                       # [...,2ts,K]
     cols = []
     if a:
       colfac = jnp.exp(suf[..., :a, :, :]
@@ -329,17 +327,18 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
       cols.append((kt[..., :a, :, :] * colfac).reshape(*lead, a * tile, dk))
     if fast:
       cols.append(kt[..., a, :, :] * jnp.exp(ref_a - pre[..., a, :, :]))
-    parts_a = []
-    if cols:
-      parts_a.append(jnp.einsum("...tk,...ik->...ti", lhs, jnp.concatenate(cols, axis=-2)))
-    if not fast:
-      parts_a.append(jnp.concatenate([a_diag[..., a, :, :], p_diag[..., a, :, :]], axis=-2))
-    s_a = jnp.concatenate(parts_a, axis=-1)
-    rows.append(jnp.pad(s_a, [(0, 0)] * (s_a.ndim - 1) + [(0, c - (a + 1) * tile)]))
-  s_all = jnp.stack(rows, axis=-3)                                 # [...,a,2ts,C]
-  a_mat, p_mat = s_all[..., :tile, :], s_all[..., tile:, :]
-  a_mat = jnp.where(jnp.tri(c, k=-1, dtype=bool), a_mat.reshape(*lead, c, c), 0.0)
-  p_mat = jnp.where(jnp.tri(c, dtype=bool), p_mat.reshape(*lead, c, c), 0.0)
+    for out, x, diag in ((a_rows, kt, None if fast else a_diag),
+                         (p_rows, qt, None if fast else p_diag)):
+      parts_a = []
+      if cols:
+        parts_a.append(jnp.einsum("...tk,...ik->...ti", x[..., a, :, :] * row,
+                                  jnp.concatenate(cols, axis=-2)))
+      if diag is not None:
+        parts_a.append(diag[..., a, :, :])
+      s_a = jnp.concatenate(parts_a, axis=-1) if len(parts_a) > 1 else parts_a[0]
+      out.append(jnp.pad(s_a, [(0, 0)] * (s_a.ndim - 1) + [(0, c - (a + 1) * tile)]))
+  a_mat = jnp.where(jnp.tri(c, k=-1, dtype=bool), jnp.concatenate(a_rows, axis=-2), 0.0)
+  p_mat = jnp.where(jnp.tri(c, dtype=bool), jnp.concatenate(p_rows, axis=-2), 0.0)
 
   gamma = gamma.reshape(*lead, c, dk)
   k_last = k_last.reshape(*lead, c, dk)
