@@ -515,19 +515,21 @@ def _state_pass_bwd(res, cts):
   qt_do = jnp.einsum("...ck,...cv->...kv", q_gamma, do)            # (Γ⊙Q̃)ᵀ dO [G,...,K,V]
 
   def step(ds_next, x):                                            # reverse: dS_{n+1} -> dS_n
-    pt_do, qt_do, w_k, k_last, decay = x
+    pt_do, qt_do, w_k, k_last, decay, u_n, s_n = x
     du = pt_do + jnp.einsum("...ck,...kv->...cv", k_last, ds_next)
     ds = decay[..., None] * ds_next + qt_do - jnp.einsum("...ck,...cv->...kv", w_k, du)
-    return ds, (du, ds_next)
+    # d k_last and d Γ_C need dS_{n+1}: taken here rather than stacking every dS_{n+1}
+    # (a [G,...,K,V] buffer) for batched matmuls after the scan.
+    return ds, (du, jnp.einsum("...cv,...kv->...ck", u_n, ds_next),
+                jnp.einsum("...kv,...kv->...k", ds_next, s_n))
 
-  d_state, (du, ds_next) = lax.scan(step, d_final, (pt_do, qt_do, w_k, k_last, decay),
-                                    reverse=True)
+  d_state, (du, d_k_last, d_decay) = lax.scan(
+      step, d_final, (pt_do, qt_do, w_k, k_last, decay, u, starts), reverse=True)
   return (d_state, du,
           -jnp.einsum("...cv,...kv->...ck", du, starts),           # d W_k
           jnp.einsum("...cv,...kv->...ck", do, starts),            # d (Γ⊙Q̃)
           jnp.einsum("...cv,...iv->...ci", do, u),                 # d P
-          jnp.einsum("...cv,...kv->...ck", u, ds_next),            # d k_last
-          jnp.einsum("...kv,...kv->...k", ds_next, starts))        # d Γ_C
+          d_k_last, d_decay)
 
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
