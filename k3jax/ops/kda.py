@@ -472,10 +472,12 @@ def _state_pass(state, w_v, w_k, q_gamma, p_mat, k_last, decay):
 
   Only the recurrence is sequential (a scan over the chunks): U_n = W_v − W_k S_n,
   S_{n+1} = Γ_C ⊙ S_n + k_lastᵀ U_n. The reads O_n = (Γ⊙Q̃) S_n + P U_n of all chunks are then
-  batched matmuls, and so is everything of the hand-written backward except its reverse
-  recurrence (dU_n = Pᵀ dO_n + k_last dS_{n+1}, dS_n = Γ_C ⊙ dS_{n+1} + (Γ⊙Q̃)ᵀ dO_n − W_kᵀ dU_n):
-  autodiff through the scan ran every per-chunk gradient inside it, and Γ_C's as a
-  multiply-and-reduce that XLA:CPU runs many times slower than the equivalent dot.
+  batched matmuls. The hand-written backward runs the reverse recurrence
+  (dU_n = Pᵀ dO_n + k_last dS_{n+1}, dS_n = Γ_C ⊙ dS_{n+1} + (Γ⊙Q̃)ᵀ dO_n − W_kᵀ dU_n) and, in the
+  same reverse scan, the two gradients that need dS_{n+1} (d k_last, d Γ_C; cheaper than
+  stacking every dS_{n+1}); the others are batched matmuls before / after it. (Autodiff through
+  the scan took Γ_C's gradient as a multiply-and-reduce that XLA:CPU runs many times slower
+  than the equivalent dot.)
   Returns (final state, O `[G,...,C,V]`). Without differentiation the reads stay inside the
   scan (nothing per chunk is stored; faster for the forward alone).
   """
