@@ -327,12 +327,12 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
       cols.append((kt[..., :a, :, :] * colfac).reshape(*lead, a * tile, dk))
     if fast:
       cols.append(kt[..., a, :, :] * jnp.exp(ref_a - pre[..., a, :, :]))
+    cols = jnp.concatenate(cols, axis=-2) if cols else None        # [...,i,K], i < end(a)
     for out, x, diag in ((a_rows, kt, None if fast else a_diag),
                          (p_rows, qt, None if fast else p_diag)):
       parts_a = []
-      if cols:
-        parts_a.append(jnp.einsum("...tk,...ik->...ti", x[..., a, :, :] * row,
-                                  jnp.concatenate(cols, axis=-2)))
+      if cols is not None:
+        parts_a.append(jnp.einsum("...tk,...ik->...ti", x[..., a, :, :] * row, cols))
       if diag is not None:
         parts_a.append(diag[..., a, :, :])
       s_a = jnp.concatenate(parts_a, axis=-1) if len(parts_a) > 1 else parts_a[0]
