@@ -177,7 +177,7 @@ def axis_size(mesh: Mesh | jax.sharding.AbstractMesh | None, name: str | Sequenc
 # --------------------------------------------------------------------------- active mesh hook
 # The mesh a traced model runs under. Layers (through k3jax/layers/backend.py) read it to pick
 # the expert-parallel / context-parallel paths; nothing is read when no mesh is active.
-_ACTIVE: list[tuple[Mesh, Any, Any]] = []
+_ACTIVE: list[tuple[Mesh, Any]] = []   # (mesh, param shardings or None)
 
 
 @contextlib.contextmanager
@@ -187,7 +187,7 @@ def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None,
   `param_shardings` (the params' NamedSharding tree, optional): what `constrain_like_params`
   pins gradients to."""
   rules = LOGICAL_AXIS_RULES if rules is None else tuple(rules)
-  _ACTIVE.append((mesh, rules, param_shardings))
+  _ACTIVE.append((mesh, param_shardings))
   try:
     with nn.logical_axis_rules(rules):
       yield mesh
@@ -207,7 +207,7 @@ def constrain_like_params(grads: Any) -> Any:
   backward pass (k3 on 2048 v5p chips: the whole-vocabulary fp32 embedding / lm_head
   gradient buffers of session 4's buffer report are gone; `memory_analysis()` temporaries
   112.45 → 112.11 GiB, docs/notes/sharding.md)."""
-  shardings = _ACTIVE[-1][2] if _ACTIVE else None
+  shardings = _ACTIVE[-1][1] if _ACTIVE else None
   if shardings is None:
     return grads
   return jax.lax.with_sharding_constraint(grads, shardings)
