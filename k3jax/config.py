@@ -93,7 +93,7 @@ class ModelConfig:
   dtype: str = "float32"           # compute dtype for matmuls ("bfloat16" on accelerators)
   param_dtype: str = "float32"     # parameters are fp32 masters
   scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
-  remat: bool = False              # rematerialise each scanned group in the backward pass
+  remat: bool = False              # rematerialise each layer (scanned group) in the backward
   kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
 
   def __post_init__(self):

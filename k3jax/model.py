@@ -7,7 +7,8 @@ params stacked on a leading "layers" axis). `scan_layers=False` keeps exactly th
 parameter tree and only unrolls that loop.
 
 Block AttnRes (spec §5), when `attn_res_block_size` is set, carries a fixed-size buffer
-`blocks` [num_attn_res_blocks, B, T, d] and the running `partial` [B, T, d]. The number of
+`blocks` [num_attn_res_blocks, B, T, d] (compute dtype) and the running `partial` [B, T, d]
+(fp32). The number of
 finished blocks before layer i is a function of i alone (`blocks_before(i)`), so the scanned
 body needs no counter: the mixers mask unused buffer slots with `valid`.
 At layer i: h = mix(blocks + partial) (skipped while blocks is empty); if i % block == 0:
@@ -93,12 +94,13 @@ class DecoderLayer(nn.Module):
 
     if static:
       if layer_index % bs == 0:
-        blocks = blocks.at[count].set(partial)
+        blocks = blocks.at[count].set(partial.astype(blocks.dtype))
         partial = jnp.zeros_like(partial)
     else:
       append = layer_index % bs == 0
       idx = jnp.minimum(count, nb - 1)
-      slot = jnp.where(append, partial, jax.lax.dynamic_index_in_dim(blocks, idx, 0, False))
+      slot = jnp.where(append, partial.astype(blocks.dtype),
+                       jax.lax.dynamic_index_in_dim(blocks, idx, 0, False))
       blocks = jax.lax.dynamic_update_index_in_dim(blocks, slot, idx, 0)
       partial = jnp.where(append, jnp.zeros_like(partial), partial)
 
@@ -128,6 +130,16 @@ class LayerGroup(nn.Module):
     return state, None
 
 
+def _layer_cls(cfg: ModelConfig):
+  """DecoderLayer, rematerialised when `cfg.remat`: the unrolled prefix / suffix / MTP layers
+  as well as the scanned groups (without it their saved residuals, e.g. each MoE layer's
+  fp32 [N·k, ℓ] combine products, stayed live until the backward pass). Argument 2 (the layer
+  index, counting self) is a python int."""
+  if not cfg.remat:
+    return DecoderLayer
+  return nn.remat(DecoderLayer, prevent_cse=False, static_argnums=(2,))
+
+
 class MTP(nn.Module):
   """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → normed hidden [B,S,d]."""
   config: ModelConfig
@@ -139,7 +151,7 @@ class MTP(nn.Module):
     x = jnp.concatenate([RMSNorm(eps=eps, name="enorm")(next_emb),
                          RMSNorm(eps=eps, name="hnorm")(h)], axis=-1)
     x = linear(cfg, cfg.d_model, (None, "embed"), name="eh_proj")(x).astype(jnp.float32)
-    x = DecoderLayer(cfg, MLA, MOE, attn_res=False, name="layer")(x, 0, segment_ids)
+    x = _layer_cls(cfg)(cfg, MLA, MOE, attn_res=False, name="layer")(x, 0, segment_ids)
     return RMSNorm(eps=eps, name="norm")(x)
 
 
@@ -185,11 +197,16 @@ class K3Model(nn.Module):
     b, t = tokens.shape
 
     attn_res = cfg.attn_res_block_size is not None
-    state = (jnp.zeros((cfg.num_attn_res_blocks, b, t, d), jnp.float32), x) if attn_res else x
+    # Finished AttnRes blocks are frozen sums, stored in the compute dtype (bf16 halves the
+    # largest activations a scanned stack saves for the backward); the running partial sum,
+    # which every layer adds to, stays fp32.
+    blocks0 = jnp.zeros((cfg.num_attn_res_blocks, b, t, d), dtype_of(cfg.dtype))
+    state = (blocks0, x) if attn_res else x
     types = cfg.layer_types()
     prefix, groups, suffix = cfg.stack_layout()
+    layer_cls = _layer_cls(cfg)
     for i in range(prefix):
-      state = DecoderLayer(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
+      state = layer_cls(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
     if groups:
       group = LayerGroup
       if cfg.remat:
@@ -201,7 +218,7 @@ class K3Model(nn.Module):
           metadata_params={nn.PARTITION_NAME: "layers"})
       state, _ = body(cfg, prefix, name="body")(state, jnp.arange(groups), segment_ids)
     for i in range(prefix + groups * cfg.mla_every, cfg.num_layers):
-      state = DecoderLayer(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
+      state = layer_cls(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
 
     if attn_res:
       blocks, partial = state
