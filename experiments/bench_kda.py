@@ -59,6 +59,10 @@ def _parse_args(argv):
                  help="skip the PyTorch references above this T (they are slow)")
   p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
   p.add_argument("--out", default=None, help="also write the JSON object to this path")
+  p.add_argument("--malloc", default="keep", choices=("keep", "default"),
+                 help="keep: one glibc malloc arena that keeps its pages "
+                      "(k3jax.runtime.keep_cpu_allocations; applies to the torch references in "
+                      "the same process too); default: glibc's defaults")
   return p.parse_args(argv)
 
 
@@ -359,12 +363,20 @@ def _print_table(result):
 def main(argv=None):
   args = _parse_args(sys.argv[1:] if argv is None else argv)
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  malloc = "default"
+  if args.malloc == "keep":
+    from k3jax.runtime import keep_cpu_allocations
+    malloc = "keep" if keep_cpu_allocations() else "default (mallopt unavailable)"
   result = run(args)
+  result["malloc"] = malloc
   _print_table(result)
+  print(f"malloc: {malloc}")
   text = json.dumps(result)
   if args.out:
-    with open(args.out, "w") as fh:
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as fh:
       fh.write(text + "\n")
+    os.replace(tmp, args.out)
   if args.json:
     print(text)
 

@@ -33,6 +33,11 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 (--multihost).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count (--multihost).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (--multihost).")
+_KEEP_ALLOCS = flags.DEFINE_bool(
+    "keep_cpu_allocations", True,
+    "One glibc malloc arena that keeps its pages, so XLA:CPU's per-step temporaries are not "
+    "page-faulted afresh every step (k3jax.runtime.keep_cpu_allocations; a no-op without "
+    "glibc). --nokeep_cpu_allocations: glibc's defaults.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -65,6 +70,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.getLogger("k3jax.train").setLevel(logging.INFO)
+  if _KEEP_ALLOCS.value:  # before the first JAX computation starts XLA's threads
+    from k3jax.runtime import keep_cpu_allocations
+    keep_cpu_allocations()
   if _MULTIHOST.value:
     from k3jax import sharding
     sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
