@@ -335,8 +335,8 @@ def test_tied_embeddings_mtp_tree_and_remat_trace():
 def test_remat_changes_nothing():
   """remat=True (scanned groups, unrolled prefix/suffix layers and the MTP layer recomputed in
   the backward) gives the same logits, MTP logits, sown stats and gradients as remat=False."""
-  cfg, model, v, tok, fwd = setup("tiny")
-  assert cfg.stack_layout()[0] and cfg.num_mtp_layers      # unrolled prefix + MTP present
+  cfg, model, v, tok, fwd = setup("tiny", num_layers=9)
+  assert cfg.stack_layout() == (4, 1, 1) and cfg.num_mtp_layers   # prefix, body, suffix, MTP
   model_r = K3Model(cfg.replace(remat=True))
   fwd_r = jax.jit(lambda v, t: model_r.apply(v, t, return_mtp=True, mutable=["stats"]))
   # Without differentiation remat is inert: bit-identical outputs, the same stats tree.

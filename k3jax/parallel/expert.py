@@ -91,9 +91,8 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
   out = out.reshape(e_local, ep, cap, d).transpose(1, 0, 2, 3)
   out = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)    # back: [ep (dest) …] = [E, C, D]
   out = out.reshape(num_experts * cap, d)
-  contrib = out[slot].astype(jnp.float32).reshape(n, k, d)
   wk = jnp.where(keep.reshape(n, k), weights.astype(jnp.float32), 0.0)
-  y = jnp.einsum("nk,nkd->nd", wk, contrib)
+  y = jnp.sum(moe_ops.weighted_rows(wk[..., None], out[slot].reshape(n, k, d)), axis=1)
   return y.astype(cdt), jnp.sum(~keep).astype(jnp.int32)
 
 
