@@ -34,10 +34,11 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count (--multihost).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id (--multihost).")
 _KEEP_ALLOCS = flags.DEFINE_bool(
-    "keep_cpu_allocations", True,
-    "One glibc malloc arena that keeps its pages, so XLA:CPU's per-step temporaries are not "
-    "page-faulted afresh every step (k3jax.runtime.keep_cpu_allocations; a no-op without "
-    "glibc). --nokeep_cpu_allocations: glibc's defaults.")
+    "keep_cpu_allocations", False,
+    "One glibc malloc arena that keeps its pages, so XLA:CPU's temporaries are not "
+    "page-faulted afresh every call (k3jax.runtime.keep_cpu_allocations; a no-op without "
+    "glibc). Off by default: the `small` CPU training step measured 10-15% slower with it "
+    "(one arena for all of XLA's threads), unlike the KDA op benchmark (faster).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
