@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 
-# A jitted function with ~64 MiB of temporaries, called repeatedly; prints the minor page
-# faults per call (getrusage) after warm-up.
+# A jitted function whose temporaries are [2048, 2048] fp32 arrays (16 MiB each), called
+# repeatedly; prints the minor page faults per call (getrusage) after warm-up.
 _CHILD = r"""
 import json, resource, sys
 if sys.argv[1] == "keep":
@@ -38,6 +38,7 @@ def test_keep_cpu_allocations_removes_per_call_page_faults():
     return
   default = _faults_per_call("default")
   keep = _faults_per_call("keep")
-  # Two 16 MiB temporaries per call are re-faulted with glibc's defaults (4 KiB pages).
+  # With glibc's defaults each 16 MiB buffer is re-faulted every call (4,096 pages of 4 KiB;
+  # measured 62,158 faults per call); with the setting, none.
   assert default > 4000, default
   assert keep < default / 20, (keep, default)
