@@ -130,14 +130,19 @@ class LayerGroup(nn.Module):
     return state, None
 
 
-def _layer_cls(cfg: ModelConfig):
-  """DecoderLayer, rematerialised when `cfg.remat`: the unrolled prefix / suffix / MTP layers
-  as well as the scanned groups (without it their saved residuals stayed live until the
-  backward pass: 9 GiB per chip for k3 on 2048 chips). Argument 2 (the layer index, counting
-  self) is a python int."""
+def _maybe_remat(cls, cfg: ModelConfig, static_argnums=()):
+  """`cls` rematerialised in the backward pass when `cfg.remat` — the one remat policy of the
+  model, for the scanned groups and for the unrolled prefix / suffix / MTP layers alike
+  (without it the unrolled layers' saved residuals stayed live until the backward pass: 9 GiB
+  per chip for k3 on 2048 chips). `static_argnums` count self as 0."""
   if not cfg.remat:
-    return DecoderLayer
-  return nn.remat(DecoderLayer, prevent_cse=False, static_argnums=(2,))
+    return cls
+  return nn.remat(cls, prevent_cse=False, static_argnums=static_argnums)
+
+
+def _layer_cls(cfg: ModelConfig):
+  """DecoderLayer under `_maybe_remat`; its argument 2 (the layer index) is a python int."""
+  return _maybe_remat(DecoderLayer, cfg, static_argnums=(2,))
 
 
 class MTP(nn.Module):
@@ -208,11 +213,8 @@ class K3Model(nn.Module):
     for i in range(prefix):
       state = layer_cls(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
     if groups:
-      group = LayerGroup
-      if cfg.remat:
-        group = nn.remat(group, prevent_cse=False)
       body = nn.scan(
-          group, variable_axes={"params": 0, "balance": 0, "stats": 0},
+          _maybe_remat(LayerGroup, cfg), variable_axes={"params": 0, "balance": 0, "stats": 0},
           split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=groups,
           unroll=1 if cfg.scan_layers else groups,
           metadata_params={nn.PARTITION_NAME: "layers"})
