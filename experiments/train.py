@@ -43,14 +43,17 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def mesh_jit_step(cfg):
-  """The trainer's `jit_step` for cfg.mesh, or None when the run is single-device."""
+  """The trainer's `jit_step` for cfg.mesh, or None when the run is single-device (a
+  one-device mesh when `optim.offload_momentum` asks for host memory: that needs explicit
+  shardings)."""
   import jax
   import jax.numpy as jnp
   from k3jax import sharding
   from k3jax.model import K3Model
   from k3jax.train.trainer import model_config
   mesh_cfg = cfg.get("mesh")
-  if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)):
+  offload = bool(cfg.optim.get("offload_momentum", False))
+  if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)) and not offload:
     return None
   config = model_config(cfg)
   mesh = sharding.make_mesh(mesh_cfg)
@@ -64,7 +67,7 @@ def mesh_jit_step(cfg):
   boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
                          jnp.zeros((1, 8), jnp.int32))
   logging.getLogger("k3jax.train").info("mesh %s", dict(mesh.shape))
-  return sharding.make_jit_step(mesh, boxed, rules)
+  return sharding.make_jit_step(mesh, boxed, rules, offload_momentum=offload)
 
 
 def main(argv):

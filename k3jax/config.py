@@ -91,7 +91,8 @@ class ModelConfig:
 
   # --- numerics and compilation
   dtype: str = "float32"           # compute dtype for matmuls ("bfloat16" on accelerators)
-  param_dtype: str = "float32"     # parameters are fp32 masters
+  param_dtype: str = "float32"     # Linear + expert kernels (fp32 masters; "bfloat16" halves
+                                   # them; vectors, norms, convs and the router stay fp32)
   scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
   remat: bool = False              # rematerialise each layer (scanned group) in the backward
   kernel_backend: Literal["xla", "pallas", "auto"] = "xla"

@@ -281,13 +281,17 @@ def param_shardings(mesh: Mesh, abstract_tree: Any,
 
 
 def opt_state_shardings(mesh: Mesh, abstract_opt_state: Any, params: Any,
-                        param_sh: Any) -> Any:
+                        param_sh: Any, offload_momentum: bool = False) -> Any:
   """Optimizer state sharded like the params it mirrors; everything else replicated.
 
   A state leaf mirrors a param when the param's tree path is a suffix of the leaf's path and
   the shapes agree (optax's mu/nu/momentum trees). Leaves that match no param (counts,
-  factored statistics) are replicated.
+  factored statistics) are replicated. `offload_momentum`: Per-Head Muon's momentum (the `mu`
+  of a `MuonState`) goes to host memory (memory kind "pinned_host"), for
+  `make_optimizer(offload_momentum=True)`.
   """
+  from k3jax.train.optim import MuonState   # the optimizer's state type (no import cycle)
+
   table: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding]] = {}
   flat_p = jax.tree_util.tree_flatten_with_path(params)[0]
   flat_s = jax.tree_util.tree_leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
@@ -305,7 +309,23 @@ def opt_state_shardings(mesh: Mesh, abstract_opt_state: Any, params: Any,
         return hit[1]
     return NamedSharding(mesh, P())
 
-  return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+  out = jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+  if not offload_momentum:
+    return out
+  is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
+  found = []
+
+  def host(node):
+    if not is_muon(node):
+      return node
+    found.append(node)
+    return MuonState(mu=jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), node.mu))
+
+  out = jax.tree.map(host, out, is_leaf=is_muon)
+  if not found:
+    raise ValueError("offload_momentum=True: the optimizer state has no MuonState "
+                     "(optim.muon=False?), so there is no momentum to offload")
+  return out
 
 
 def batch_spec(ndim: int, context: bool = True) -> P:
@@ -388,11 +408,13 @@ def check_shapes(config: Any, mesh: Mesh | jax.sharding.AbstractMesh, *,
 
 # ------------------------------------------------------------------------- jitted steps
 def train_state_shardings(mesh: Mesh, state: Any, logical_variables: Any,
-                          rules: Sequence[tuple[str, Any]] | None = None) -> Any:
+                          rules: Sequence[tuple[str, Any]] | None = None,
+                          offload_momentum: bool = False) -> Any:
   """Shardings of a `k3jax.train.step.TrainState` (a struct with step, params, balance,
   opt_state): params/balance from their logical axes, optimizer state like the params it
-  mirrors, the step replicated. `logical_variables`: the *boxed* variables, e.g.
-  `jax.eval_shape(K3Model(config).init, rng, tokens)`.
+  mirrors (Muon's momentum in host memory with `offload_momentum`), the step replicated.
+  `logical_variables`: the *boxed* variables, e.g. `jax.eval_shape(K3Model(config).init, rng,
+  tokens)`.
   """
   sh = param_shardings(mesh, {c: logical_variables[c] for c in ("params", "balance")
                               if c in logical_variables}, rules)
@@ -400,7 +422,8 @@ def train_state_shardings(mesh: Mesh, state: Any, logical_variables: Any,
   var_sh = {"params": sh["params"], "balance": sh.get("balance", {})}
   return state.replace(
       step=NamedSharding(mesh, P()), params=var_sh["params"], balance=var_sh["balance"],
-      opt_state=opt_state_shardings(mesh, state.opt_state, variables, var_sh))
+      opt_state=opt_state_shardings(mesh, state.opt_state, variables, var_sh,
+                                    offload_momentum))
 
 
 def put_batch(batch: Any, shardings: Any) -> Any:
@@ -424,13 +447,15 @@ def put_batch(batch: Any, shardings: Any) -> Any:
 
 
 def make_jit_step(mesh: Mesh, logical_variables: Any,
-                  rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True):
+                  rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
+                  offload_momentum: bool = False):
   """A `jit_step(step_fn) -> fn(state, batch)` for `k3jax.train.trainer.train(jit_step=...)`.
 
   On first call it derives the state/batch shardings, jits `step_fn` with them (state
   donated, metrics replicated) and traces it under `activate(mesh)` so the layers take the
   expert-/context-parallel paths. Every call places the state (a no-op once sharded) and the
-  host batch (`put_batch`) before running.
+  host batch (`put_batch`) before running. `offload_momentum`: Muon's momentum in host memory
+  (for an optimizer built with `offload_momentum=True`).
   """
   rules = LOGICAL_AXIS_RULES if rules is None else tuple(rules)
 
@@ -443,7 +468,8 @@ def make_jit_step(mesh: Mesh, logical_variables: Any,
 
     def run(state, batch):
       if "fn" not in cache:
-        state_sh = train_state_shardings(mesh, state, logical_variables, rules)
+        state_sh = train_state_shardings(mesh, state, logical_variables, rules,
+                                         offload_momentum)
         batch_sh = batch_shardings(mesh, batch)
         cache["sh"] = (state_sh, batch_sh)
         cache["fn"] = jax.jit(traced, in_shardings=(state_sh, batch_sh),

@@ -200,3 +200,52 @@ def test_constrain_like_params_pins_gradients():
   assert out["w"].sharding.spec == P("fsdp")
   np.testing.assert_allclose(out["w"], grad(params, jnp.ones((8, 16)))["w"], rtol=1e-6)
   assert sharding.constrain_like_params(params) is params  # no active mesh: unchanged
+
+
+def test_offloaded_muon_momentum_lives_in_host_memory():
+  """offload_momentum: Muon's momentum is sharded to "pinned_host" (Adam's moments stay on the
+  device), two jitted updates on 2 devices (fsdp) equal the on-device optimizer's, and the new
+  momentum comes back in host memory."""
+  from k3jax.train.optim import MuonState, make_optimizer
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=2))
+  names = {"params": {
+      "body": {"layers_0": {"mlp": {"up_proj": {"kernel": nn.LogicallyPartitioned(
+          jax.ShapeDtypeStruct((3, 8, 6), jnp.float32), ("layers", "embed", "mlp"))}}}},
+      "head": {"kernel": nn.LogicallyPartitioned(
+          jax.ShapeDtypeStruct((8, 4), jnp.float32), ("embed", "vocab"))},
+      "embed_tokens": {"embedding": nn.LogicallyPartitioned(
+          jax.ShapeDtypeStruct((16, 8), jnp.float32), ("vocab", "embed"))}}, "balance": {}}
+  keys = iter(jax.random.split(jax.random.PRNGKey(0), 9))
+  params = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), nn.unbox(names))
+  grads = [jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), params)
+           for _ in range(2)]
+  p_sh = sharding.param_shardings(mesh, names)
+  results = {}
+  for offload in (False, True):
+    tx = make_optimizer(lambda s: 0.1, offload_momentum=offload)
+    o_sh = sharding.opt_state_shardings(mesh, jax.eval_shape(tx.init, params), params, p_sh,
+                                        offload_momentum=offload)
+    is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
+    (muon_sh,) = [x for x in jax.tree.leaves(o_sh, is_leaf=is_muon) if is_muon(x)]
+    assert {s.memory_kind for s in jax.tree.leaves(muon_sh.mu)} == (
+        {"pinned_host"} if offload else {"device"})
+    assert {s.memory_kind for s in jax.tree.leaves(o_sh)} == (
+        {"pinned_host", "device"} if offload else {"device"})
+    update = jax.jit(tx.update, in_shardings=(p_sh, o_sh, p_sh), out_shardings=(p_sh, o_sh))
+    state = jax.device_put(tx.init(params), o_sh)
+    ups = []
+    for g in grads:
+      u, state = update(jax.device_put(g, p_sh), state, jax.device_put(params, p_sh))
+      ups.append(u)
+    results[offload] = (ups, state)
+  (ups0, st0), (ups1, st1) = results[False], results[True]
+  for a, b in zip(jax.tree.leaves(ups0), jax.tree.leaves(ups1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(st0), jax.tree.leaves(st1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  (muon,) = [x for x in jax.tree.leaves(st1, is_leaf=is_muon) if is_muon(x)]
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(muon.mu)} == {"pinned_host"}
+  with pytest.raises(ValueError, match="no MuonState"):
+    tx = make_optimizer(lambda s: 0.1, muon=False)
+    sharding.opt_state_shardings(mesh, jax.eval_shape(tx.init, params), params, p_sh,
+                                 offload_momentum=True)

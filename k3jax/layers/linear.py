@@ -1,7 +1,8 @@
 """Bias-free projections with logical-axis annotations, shared by every layer.
 
-`linear(...)` is flax's DenseGeneral with the project's conventions: fp32 master kernel
-annotated with logical axis names (docs/contracts.md), compute in `config.dtype`, no bias.
+`linear(...)` is flax's DenseGeneral with the project's conventions: master kernel in
+`config.param_dtype` (fp32 by default) annotated with logical axis names (docs/contracts.md),
+compute in `config.dtype`, no bias.
 Kernel shape = (input axes…, features…), e.g. q_proj [d,H,K], o_proj [H,V,d].
 """
 
@@ -29,9 +30,11 @@ def linear(config, features, names: Sequence[str], *, axis=-1, name: str,
       kernel_init=nn.with_logical_partitioning(kernel_init, tuple(names)))
 
 
-def param(module: nn.Module, name: str, init, shape, names: Sequence[str]):
-  """A logically-partitioned fp32 parameter owned by `module` (vectors: A_log, dt_bias …)."""
-  return module.param(name, nn.with_logical_partitioning(init, tuple(names)), shape, jnp.float32)
+def param(module: nn.Module, name: str, init, shape, names: Sequence[str],
+          dtype=jnp.float32):
+  """A logically-partitioned parameter owned by `module`: fp32 for vectors, norms, convs and
+  the router (A_log, dt_bias …); the expert weights pass `config.param_dtype`."""
+  return module.param(name, nn.with_logical_partitioning(init, tuple(names)), shape, dtype)
 
 
 __all__ = ["linear", "param", "default_kernel_init"]

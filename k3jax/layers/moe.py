@@ -37,9 +37,10 @@ class Experts(nn.Module):
     # Each expert matrix is initialised like its own [in, out] Linear (fan-in = in).
     init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
                                             out_axis=-1, batch_axis=(0,))
-    w1 = param(self, "w1", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"))
-    w3 = param(self, "w3", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"))
-    w2 = param(self, "w2", init, (e, f, dim), ("experts", "expert_mlp", self.in_axis))
+    dt = dtype_of(cfg.param_dtype)   # like every Linear kernel (the bulk of K3's parameters)
+    w1 = param(self, "w1", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"), dt)
+    w3 = param(self, "w3", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"), dt)
+    w2 = param(self, "w2", init, (e, f, dim), ("experts", "expert_mlp", self.in_axis), dt)
     return w1, w3, w2
 
 

@@ -28,7 +28,6 @@ Every logit of head h, q_n·k_n + q_r·k_r, is then multiplied by exactly γ, so
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -95,17 +94,11 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
 def orthogonalize_blocks(g: jax.Array, path: str, steps: int = 5,
                          scale: float = 0.2) -> jax.Array:
   """Newton–Schulz of each block of `g` (per head / expert / layer), times
-  scale·√max(fan_in, fan_out) of the block; same shape as `g`."""
+  scale·√max(fan_in, fan_out) of the block; same shape and dtype as `g`."""
   batch, fin, fout = muon_blocks(path, g.shape)
   perm = batch + (fin, fout)
   inv = tuple(sorted(range(len(perm)), key=perm.__getitem__))
-  blocks = jnp.transpose(g, perm)
-  if _is_scanned(path) and blocks.shape[0] > 1:
-    # One scanned layer at a time: the fp32 Gram matrices of all layers at once were the
-    # largest temporaries of the k3 step (f32[22,14,3072,3072] per device, docs/notes/sharding.md).
-    out = lax.map(functools.partial(newton_schulz, steps=steps), blocks)
-  else:
-    out = newton_schulz(blocks, steps)
+  out = newton_schulz(jnp.transpose(g, perm), steps)
   out = out * (scale * max(g.shape[fin], g.shape[fout]) ** 0.5)
   return jnp.transpose(out, inv).astype(g.dtype)
 
@@ -115,24 +108,63 @@ class MuonState(NamedTuple):
 
 
 def scale_by_per_head_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                           scale: float = 0.2) -> optax.GradientTransformation:
+                           scale: float = 0.2, mu_dtype=None,
+                           offload_momentum: bool = False) -> optax.GradientTransformation:
   """Nesterov momentum + per-block Newton–Schulz + shape scale (no learning rate, no decay).
 
   Blocks are found from the parameter paths (`muon_blocks`), so apply it to a tree keyed by
   Flax paths (under optax.multi_transform the masked tree keeps the full paths).
+  The momentum is stored in `mu_dtype` (None: the parameter's dtype); momentum, direction and
+  Newton–Schulz run in fp32, and the update has the gradient's dtype.
+
+  A scanned parameter (`body/...`, [num_groups, ...]) is updated one layer at a time in a
+  `fori_loop` whose carries are the gradient and the momentum: layer l's update overwrites
+  layer l's gradient in place and its new momentum the old one, so the optimizer needs no
+  stacked temporary besides the gradient itself, and the fp32 Gram matrices of one layer at a
+  time (all layers at once were f32[22,14,3072,3072] per device for k3, docs/notes/sharding.md).
+
+  `offload_momentum=True`: the momentum lives in host memory (its sharding's memory kind
+  "pinned_host", `k3jax.sharding.opt_state_shardings(offload_momentum=True)`); each parameter,
+  or each layer of a scanned one, is copied to the device, updated and copied back, so the
+  device holds one layer's momentum at a time. Needs a jit with explicit in/out shardings
+  (`sharding.make_jit_step(..., offload_momentum=True)`).
   """
+  f32 = jnp.float32
+  to_device = ((lambda x: jax.device_put(x, jax.memory.Space.Device)) if offload_momentum
+               else (lambda x: x))
+  to_host = ((lambda x: jax.device_put(x, jax.memory.Space.Host)) if offload_momentum
+             else (lambda x: x))
 
   def init_fn(params):
-    return MuonState(mu=jax.tree.map(jnp.zeros_like, params))
+    return MuonState(mu=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params))
+
+  def one(path, g, m):
+    """(update, new momentum) of one parameter (or one layer of a scanned one), on device."""
+    m32 = momentum * m.astype(f32) + g.astype(f32)
+    d = g.astype(f32) + momentum * m32 if nesterov else m32
+    u = orthogonalize_blocks(d, path, ns_steps, scale).astype(g.dtype)
+    return u, m32.astype(m.dtype)
+
+  def leaf(p, g, m):
+    path = path_str(p)
+    if not (_is_scanned(path) and g.shape[0] > 1):
+      u, m = one(path, g, to_device(m))
+      return u, to_host(m)
+
+    def layer(i, carry):
+      gs, ms = carry
+      # A [1, ...] stack: one layer's blocks, as `muon_blocks` sees a scanned parameter.
+      u, mi = one(path, gs[i][None], to_device(ms[i])[None])
+      return gs.at[i].set(u[0]), ms.at[i].set(to_host(mi[0]))
+
+    return lax.fori_loop(0, g.shape[0], layer, (g, m))
 
   def update_fn(updates, state, params=None):
     del params
-    mu = jax.tree.map(lambda m, g: momentum * m + g, state.mu, updates)
-    direction = (jax.tree.map(lambda m, g: g + momentum * m, mu, updates) if nesterov else mu)
-    out = jax.tree_util.tree_map_with_path(
-        lambda p, d: orthogonalize_blocks(d, path_str(p), ns_steps, scale),
-        direction)
-    return out, MuonState(mu=mu)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    pairs = [leaf(p, g, m) for (p, g), m in zip(leaves, treedef.flatten_up_to(state.mu))]
+    return (treedef.unflatten([u for u, _ in pairs]),
+            MuonState(mu=treedef.unflatten([m for _, m in pairs])))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -146,20 +178,25 @@ def _decay_mask(tree):
 def make_optimizer(schedule, *, weight_decay: float = 0.1, momentum: float = 0.95,
                    adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
                    muon: bool = True, balance_tx: optax.GradientTransformation | None = None,
-                   clip_norm: float = 0.0) -> optax.GradientTransformationExtraArgs:
+                   clip_norm: float = 0.0, mu_dtype=None,
+                   offload_momentum: bool = False) -> optax.GradientTransformationExtraArgs:
   """The optimizer over {"params": ..., "balance": ...} (labels: `param_label`).
 
   `muon=False` sends the Muon group to AdamW too (a baseline). `balance_tx` updates the router
-  bias (default: left unchanged). Extra args (`stats=`) reach `balance_tx`.
+  bias (default: left unchanged). Extra args (`stats=`) reach `balance_tx`. `mu_dtype` stores
+  the first moments (Muon momentum, Adam's mu) in that dtype (None: each parameter's dtype);
+  Adam's second moment keeps the parameter's dtype. `offload_momentum` keeps Muon's momentum in
+  host memory (`scale_by_per_head_muon`).
   """
   lr = optax.scale_by_learning_rate(schedule)
-  adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps),
+  adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps, mu_dtype=mu_dtype),
                      optax.add_decayed_weights(weight_decay, mask=_decay_mask), lr)
   if muon:
-    matrix = optax.chain(scale_by_per_head_muon(momentum),
+    matrix = optax.chain(scale_by_per_head_muon(momentum, mu_dtype=mu_dtype,
+                                                offload_momentum=offload_momentum),
                          optax.add_decayed_weights(weight_decay), lr)
   else:
-    matrix = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps),
+    matrix = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps, mu_dtype=mu_dtype),
                          optax.add_decayed_weights(weight_decay), lr)
   transforms = {"adam": adam, "muon": matrix,
                 "balance": balance_tx if balance_tx is not None else optax.set_to_zero()}

@@ -34,7 +34,7 @@ LOGGED_STATS = ("load", "max_logit", "dropped")   # small stats returned for met
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array        # [] int32: optimizer steps taken
-  params: Any            # float32 masters, plain arrays (unboxed)
+  params: Any            # masters in config.param_dtype (fp32 by default), unboxed
   balance: Any           # router biases ("balance" collection)
   opt_state: Any
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, dtype_of
 from k3jax.train import balance as qb
 from k3jax.train import data as data_lib
 from k3jax.train import metrics as metrics_lib
@@ -78,6 +78,11 @@ def validate(cfg, config: ModelConfig) -> None:
   need(config.vocab_size >= data_lib.NUM_BYTES + data_lib.NUM_SPECIAL, "model.vocab_size",
        f"the byte tokenizer needs >= {data_lib.NUM_BYTES + data_lib.NUM_SPECIAL}, found "
        f"{config.vocab_size}")
+  mu_dtype = cfg.optim.get("mu_dtype", "")
+  need(mu_dtype in ("", "float32", "bfloat16"), "optim.mu_dtype",
+       f"expected '' (the parameters' dtype), 'float32' or 'bfloat16', found {mu_dtype!r}")
+  need(not cfg.optim.get("offload_momentum", False) or cfg.optim.muon, "optim.offload_momentum",
+       "offloads Per-Head Muon's momentum; it needs optim.muon=True")
   data_lib.parse_curriculum(t.curriculum)
   accum = t.get("grad_accum", 1)
   need(isinstance(accum, int) and accum > 0, "train.grad_accum",
@@ -110,12 +115,19 @@ def _build(cfg, config: ModelConfig, jit_step=None):
          json.dumps(cfg.balance.to_dict(), sort_keys=True), jit_step)
   if key in _STEPS:
     return _STEPS[key]
+  if o.get("offload_momentum", False) and jit_step is None:
+    raise ValueError("config.optim.offload_momentum: host memory needs a jit with explicit "
+                     "shardings: run experiments/train.py (it builds them, on a one-device mesh "
+                     "if need be) or pass jit_step=sharding.make_jit_step(mesh, boxed, "
+                     "offload_momentum=True)")
   schedule = warmup_cosine(o.lr, cfg.train.steps, o.warmup_frac, o.get("final_lr_frac", 0.1))
   balance_tx = qb.quantile_balancing(cfg.balance.method, k=config.experts_per_token,
                                      value_range=config.qb_range, gamma=cfg.balance.gamma)
   tx = make_optimizer(schedule, weight_decay=o.weight_decay, momentum=o.momentum,
                       adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
-                      clip_norm=o.get("clip_norm", 0.0))
+                      clip_norm=o.get("clip_norm", 0.0),
+                      mu_dtype=dtype_of(o.mu_dtype) if o.get("mu_dtype") else None,
+                      offload_momentum=bool(o.get("offload_momentum", False)))
   step_fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight,
                             qk_clip_tau=o.qk_clip_tau, schedule=schedule, grad_accum=accum)
   jitted = jit_step(step_fn) if jit_step else jax.jit(step_fn, donate_argnums=0)
@@ -262,7 +274,8 @@ def base_config(preset_name: str = "tiny"):
       data_parallel=False))
   c.optim = ml_collections.ConfigDict(dict(
       lr=2e-3, warmup_frac=0.01, final_lr_frac=0.1, weight_decay=0.1, momentum=0.95,
-      adam_b1=0.9, adam_b2=0.95, muon=True, qk_clip_tau=100.0, clip_norm=0.0))
+      adam_b1=0.9, adam_b2=0.95, muon=True, qk_clip_tau=100.0, clip_norm=0.0, mu_dtype="",
+      offload_momentum=False))
   c.balance = ml_collections.ConfigDict(dict(method="qb", num_bins=0, gamma=1e-3))
   c.data = ml_collections.ConfigDict(dict(source="stdlib", eval_percent=2.0))
   # Device mesh (k3jax/sharding.py; used by experiments/train.py): product = device count,

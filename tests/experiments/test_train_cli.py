@@ -1,7 +1,10 @@
 """experiments/train.py from the command line: a run killed with SIGKILL resumes; bad flags.
 
 The killed run and its resume share a JAX persistent compilation cache (a tmp dir), so the
-resume does not compile again.
+resume does not compile again. The killed run keeps Muon's momentum in host memory
+(`optim.offload_momentum`: a one-device mesh with explicit shardings), so its checkpoint
+restores host-memory arrays too; the plain single-device step resumes bit-exactly in
+tests/train/test_trainer.py.
 """
 
 import json
@@ -51,7 +54,8 @@ def _records(workdir):
 def test_sigkill_mid_run_then_resume(tmp_path):
   work, steps = tmp_path / "run", 14
   env = _env(tmp_path / "jax_cache")
-  proc = subprocess.Popen(_cmd(work, steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+  offload = "--config.optim.offload_momentum=True"
+  proc = subprocess.Popen(_cmd(work, steps, offload), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
   deadline = time.time() + 900
   try:
@@ -70,7 +74,8 @@ def test_sigkill_mid_run_then_resume(tmp_path):
   before = {r["step"]: r["loss"] for r in first_run}
   killed_at = max(before)
   assert killed_at < steps
-  out = subprocess.run(_cmd(work, steps), cwd=ROOT, env=env, capture_output=True, timeout=900)
+  out = subprocess.run(_cmd(work, steps, offload), cwd=ROOT, env=env, capture_output=True,
+                       timeout=900)
   assert out.returncode == 0, out.stderr.decode()[-3000:]
   recs = _records(work)
   after = recs[len(first_run):]

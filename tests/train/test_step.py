@@ -54,3 +54,47 @@ def test_accumulation_rejects_bad_sizes():
     jax.eval_shape(make_train_step(CFG, tx, grad_accum=3), state, _batch())
   with pytest.raises(ValueError, match="grad_accum: expected a positive int"):
     make_train_step(CFG, tx, grad_accum=0)
+
+
+def test_bf16_kernels_and_moments_train_like_fp32():
+  """param_dtype=bfloat16 + mu_dtype=bfloat16 (the 256-chip recipe of docs/notes/sharding.md):
+  Linear and expert kernels and the first moments are bf16, vectors/norms/router/convs stay fp32,
+  dtypes survive the update, and three steps track the fp32 run's losses."""
+  from k3jax.train.optim import make_optimizer
+  from k3jax.tree_paths import path_str
+  batch = _batch()
+  losses = {}
+  small = dict(num_layers=2, num_mtp_layers=0)        # a dense + an MoE layer: cheap compiles
+  for name, cfg, mu in (("fp32", preset("tiny", **small), None),
+                        ("bf16", preset("tiny", param_dtype="bfloat16", **small),
+                         jnp.bfloat16)):
+    tx = make_optimizer(lambda s: 1e-2, mu_dtype=mu)
+    state = create_state(cfg, jax.random.PRNGKey(1), tx)
+    if name == "bf16":    # the fp32 run's initial values, rounded: only the numerics differ
+      params = jax.tree.map(lambda a, b: a.astype(b.dtype), init32, state.params)
+      state = state.replace(params=params, opt_state=tx.init(
+          {"params": params, "balance": state.balance}))
+    else:
+      init32 = state.params
+    dtypes = {path_str(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    step = jax.jit(make_train_step(cfg, tx))
+    losses[name] = []
+    for _ in range(3):
+      state, m = step(state, batch)
+      losses[name].append(float(m["loss"]))
+    after = {path_str(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    assert after == dtypes
+    if name == "bf16":
+      kernels = {p: d for p, d in dtypes.items()
+                 if p.endswith(("/w1", "/w2", "/w3", "q_proj/kernel"))}
+      assert kernels and set(kernels.values()) == {jnp.dtype(jnp.bfloat16)}, kernels
+      small = {p: d for p, d in dtypes.items()
+               if p.endswith(("A_log", "dt_bias", "/weight", "gate/kernel", "conv1d"))}
+      assert small and set(small.values()) == {jnp.dtype(jnp.float32)}, small
+      mus = [x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim >= 2]
+      assert jnp.dtype(jnp.bfloat16) in mus
+  assert losses["fp32"][2] < losses["fp32"][0] and losses["bf16"][2] < losses["bf16"][0]
+  # Step 1 differs only by the rounding of the initial kernels (measured 0.12%); later steps
+  # follow diverging trajectories at lr 1e-2 (measured 0.06% and 0.6% apart).
+  np.testing.assert_allclose(losses["bf16"][0], losses["fp32"][0], rtol=5e-3)
+  np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=5e-2)

@@ -93,6 +93,8 @@ def test_bad_inputs_fail_before_compute(tmp_path, straight):
     train(_cfg(**{"data.source": str(tmp_path / "missing.txt")}), str(tmp_path / "c"))
   with pytest.raises(ValueError, match="balance.method"):
     train(_cfg(**{"balance.method": "median"}), str(tmp_path / "d"))
+  with pytest.raises(ValueError, match="optim.mu_dtype"):
+    train(_cfg(**{"optim.mu_dtype": "int8"}), str(tmp_path / "d2"))
   c = _cfg()
   c.model.d_model = 32
   with pytest.raises(ValueError, match=r"another model config.*d_model"):
