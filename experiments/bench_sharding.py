@@ -11,6 +11,9 @@ plan (arguments = the state shard + the batch shard, outputs, temporaries).
     compile-only; the process itself stays on JAX_PLATFORMS=cpu.
   --target cpu: N simulated CPU devices of a subprocess
     (`--xla_force_host_platform_device_count=N`); needs tens of GB of RAM at N=256.
+  --devices 256 / 2048 apply that count's recommended recipe (`RECIPES`: layout, kernel and
+    first-moment dtypes, Muon momentum in host memory or not, tokens per chip); --layout,
+    --param_dtype, --mu_dtype, --offload_momentum and --seq_len override its fields.
   --num_layers L compiles a shallower k3 (same widths) — for the depth extrapolation in
     docs/notes/sharding.md, and for quick checks.
   The model constrains its residual stream to batch sharding at every layer boundary
@@ -29,6 +32,7 @@ layer) to fit a small machine's RAM.
 Usage:
   .venv/bin/python experiments/bench_sharding.py                  # state + memory (TPU AOT) + ep
   .venv/bin/python experiments/bench_sharding.py --part memory --devices 256
+  .venv/bin/python experiments/bench_sharding.py --part memory --devices 256 --offload_momentum false
   .venv/bin/python experiments/bench_sharding.py --part memory --devices 2048 --num_layers 9
   .venv/bin/python experiments/bench_sharding.py --part memory --preset tiny --devices 4
       --layout fsdp=2,expert=2 --topology v5p:2x2x1 --seq_len 64      # a few CPU-minutes
@@ -47,11 +51,18 @@ import subprocess
 import sys
 import time
 
-# Recommended layouts for the k3 preset (see docs/notes/sharding.md for the reasoning).
-LAYOUTS = {
-    256: dict(data=1, fsdp=4, expert=64, context=1, tensor=1),
-    2048: dict(data=1, fsdp=32, expert=64, context=1, tensor=1),
+# Recommended recipes for the k3 preset (docs/notes/sharding.md gives the reasoning): the mesh
+# layout, the dtype of the kernels (`param_dtype`) and of the optimizer's first moments
+# (`mu_dtype`, "" = the parameters'), Muon's momentum in host memory or not, and tokens per
+# chip (per_device_batch x seq_len).
+RECIPES = {
+    256: dict(layout=dict(data=1, fsdp=4, expert=64, context=1, tensor=1),
+              param_dtype="bfloat16", mu_dtype="bfloat16", offload_momentum=True, seq_len=1024),
+    2048: dict(layout=dict(data=1, fsdp=16, expert=64, context=1, tensor=2),
+               param_dtype="float32", mu_dtype="", offload_momentum=False, seq_len=4096),
 }
+DEFAULTS = dict(param_dtype="float32", mu_dtype="", offload_momentum=False, seq_len=4096)
+LAYOUTS = {n: r["layout"] for n, r in RECIPES.items()}
 # TPU v5p slices (95 GiB HBM per chip) with those chip counts, for --target tpu.
 TOPOLOGIES = {256: "v5p:8x8x4", 2048: "v5p:16x16x8"}
 # Parameters sharded over fsdp AND expert (dense weights too), fallbacks to fsdp alone.
@@ -74,10 +85,10 @@ def parse_layout(text: str) -> dict[str, int]:
   return out
 
 
-def _model_config(preset_name: str, num_layers: int | None):
+def _model_config(preset_name: str, num_layers: int | None, param_dtype: str = "float32"):
   from k3jax.config import preset
-  over = dict(dtype="bfloat16", remat=True, scan_layers=True, moe_capacity_factor=1.25,
-              kernel_backend="xla")
+  over = dict(dtype="bfloat16", param_dtype=param_dtype, remat=True, scan_layers=True,
+              moe_capacity_factor=1.25, kernel_backend="xla")
   if num_layers:
     over["num_layers"] = num_layers
   return preset(preset_name, **over)
@@ -97,7 +108,8 @@ def tpu_devices(topology: str, num_devices: int) -> list:
 def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target: str = "tpu",
                 topology: str | None = None, preset_name: str = "k3",
                 num_layers: int | None = None, layout: dict | None = None,
-                muon: bool = True) -> dict:
+                muon: bool = True, param_dtype: str = "float32", mu_dtype: str = "",
+                offload_momentum: bool = False) -> dict:
   import jax
   import jax.numpy as jnp
   import flax.linen as nn
@@ -118,7 +130,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
       raise ValueError(f"--devices={num_devices}: this process has {len(devices)} devices")
   mesh = sharding.make_mesh(layout, devices=devices)
   layout = {a: int(s) for a, s in mesh.shape.items()}
-  config = _model_config(preset_name, num_layers)
+  config = _model_config(preset_name, num_layers, param_dtype)
   batch_size = per_device_batch * sharding.axis_size(mesh, sharding.BATCH_AXES)
   sharding.check_shapes(config, mesh, batch_size=batch_size, seq_len=seq_len)
   rules = sharding.axis_rules(param_axes=PARAM_AXES)
@@ -127,6 +139,8 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   cfg.train.batch_size = batch_size
   cfg.train.seq_len = seq_len
   cfg.optim.muon = muon            # False: AdamW for the matrices too (the trainer's baseline)
+  cfg.optim.mu_dtype = mu_dtype
+  cfg.optim.offload_momentum = offload_momentum
   t0 = time.perf_counter()
   tx, _, step_fn, _ = trainer._build(cfg, config, jit_step=lambda f: f)   # the raw step
   boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
@@ -135,7 +149,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   opt_state = jax.eval_shape(tx.init, variables)
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
                      balance=variables["balance"], opt_state=opt_state)
-  state_sh = sharding.train_state_shardings(mesh, state, boxed, rules)
+  state_sh = sharding.train_state_shardings(mesh, state, boxed, rules, offload_momentum)
   keys = ("inputs", "targets", "segment_ids", "mtp_targets")
   batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in keys}
   batch.update({k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
@@ -160,7 +174,9 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   shs = jax.tree.leaves(state_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
   state_dev = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                  for x, s in zip(jax.tree.leaves(state), shs))
+                  for x, s in zip(jax.tree.leaves(state), shs) if s.memory_kind != "pinned_host")
+  state_host = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x, s in zip(jax.tree.leaves(state), shs) if s.memory_kind == "pinned_host")
   gib = 2.0 ** 30
   peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
           + ma.temp_size_in_bytes)
@@ -171,21 +187,27 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
       devices=num_devices, layout=layout, param_axes=list(PARAM_AXES), preset=preset_name,
       num_layers=config.num_layers, stack_layout=list(config.stack_layout()),
       seq_len=seq_len, global_batch=batch_size, per_device_batch=per_device_batch,
-      dtype=config.dtype, remat=config.remat, capacity_factor=config.moe_capacity_factor,
+      dtype=config.dtype, param_dtype=config.param_dtype, mu_dtype=mu_dtype or "params",
+      offload_momentum=offload_momentum,
+      remat=config.remat, capacity_factor=config.moe_capacity_factor,
       params=int(n_params), state_gib_total=state_bytes / gib,
-      state_gib_per_device=state_dev / gib,
+      state_gib_per_device=state_dev / gib, state_host_gib_per_device=state_host / gib,
       argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
       alias_bytes=int(ma.alias_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
       generated_code_bytes=int(ma.generated_code_size_in_bytes), peak_bytes=int(peak),
       argument_gib=ma.argument_size_in_bytes / gib, output_gib=ma.output_size_in_bytes / gib,
       temp_gib=ma.temp_size_in_bytes / gib, alias_gib=ma.alias_size_in_bytes / gib,
-      peak_gib=peak / gib, lower_s=t1 - t0, compile_s=t2 - t1)
+      peak_gib=peak / gib, lower_s=t1 - t0, compile_s=t2 - t1,
+      host_argument_gib=getattr(ma, "host_argument_size_in_bytes", 0) / gib,
+      host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) / gib)
 
 
-def state_part(num_devices: int) -> dict:
+def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
+               offload_momentum: bool = False) -> dict:
   """Per-device bytes of the training state (params + optimizer state + router bias) under the
   recommended layout, from the shardings' shard shapes on an AbstractMesh: no compile, no
-  devices. A lower bound of the compiled figure (no activations, gradients or temporaries)."""
+  devices; device and host memory apart. A lower bound of the compiled figure (no
+  activations, gradients or temporaries)."""
   import jax
   import jax.numpy as jnp
   import flax.linen as nn
@@ -197,29 +219,35 @@ def state_part(num_devices: int) -> dict:
 
   layout = LAYOUTS[num_devices]
   mesh = sharding.abstract_mesh(layout, num_devices)
-  config = _model_config("k3", None)
+  config = _model_config("k3", None, param_dtype)
   rules = sharding.axis_rules(param_axes=PARAM_AXES)
-  tx, _, _, _ = trainer._build(trainer.base_config("tiny"), config, jit_step=lambda f: f)
+  cfg = trainer.base_config("tiny")
+  cfg.optim.mu_dtype = mu_dtype
+  cfg.optim.offload_momentum = offload_momentum
+  tx, _, _, _ = trainer._build(cfg, config, jit_step=lambda f: f)
   boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
                          jnp.zeros((1, 8), jnp.int32))
   variables = nn.unbox({c: boxed[c] for c in ("params", "balance")})
   state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
                      balance=variables["balance"], opt_state=jax.eval_shape(tx.init, variables))
-  sh = sharding.train_state_shardings(mesh, state, boxed, rules)
+  sh = sharding.train_state_shardings(mesh, state, boxed, rules, offload_momentum)
   gib = 2.0 ** 30
 
-  def per_device(tree, shs):
+  def per_device(tree, shs, host=False):
     leaves = jax.tree.leaves(tree)
     shs = jax.tree.leaves(shs, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-               for x, s in zip(leaves, shs)) / gib
+               for x, s in zip(leaves, shs) if (s.memory_kind == "pinned_host") == host) / gib
 
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / gib
   return dict(part="state", devices=num_devices, layout=layout, param_axes=list(PARAM_AXES),
+              param_dtype=param_dtype, mu_dtype=mu_dtype or "params",
+              offload_momentum=offload_momentum,
               params=int(sum(x.size for x in jax.tree.leaves(variables))),
               state_gib_total=total,
               params_gib_per_device=per_device(state.params, sh.params),
               opt_gib_per_device=per_device(state.opt_state, sh.opt_state),
+              opt_host_gib_per_device=per_device(state.opt_state, sh.opt_state, host=True),
               state_gib_per_device=per_device(state, sh))
 
 
@@ -297,20 +325,28 @@ def _print(r: dict) -> None:
              else "simulated CPU devices")
     print(f"{r['preset']} train step ({r['num_layers']} layers), {r['devices']} devices on "
           f"{where}, layout {r['layout']} (params over {'+'.join(r['param_axes'])}), "
-          f"{r['global_batch']}x{r['seq_len']} tokens, {r['dtype']}, remat={r['remat']}, "
-          f"optimizer {r['optimizer']}:")
+          f"{r['global_batch']}x{r['seq_len']} tokens, compute {r['dtype']}, kernels "
+          f"{r['param_dtype']}, first moments {r['mu_dtype']}"
+          f"{' (Muon momentum in host memory)' if r['offload_momentum'] else ''}, "
+          f"remat={r['remat']}, optimizer {r['optimizer']}:")
     print(f"  per device: arguments {r['argument_gib']:.2f} GiB, outputs "
           f"{r['output_gib']:.2f} GiB (aliased {r['alias_gib']:.2f}), temporaries "
           f"{r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB "
           f"(state {r['state_gib_per_device']:.2f} GiB/device, {r['state_gib_total']:.0f} GiB "
           f"in all; lower {r['lower_s']:.0f} s, compile {r['compile_s']:.0f} s)")
+    if r["offload_momentum"]:
+      print(f"  host memory per device: arguments {r['host_argument_gib']:.2f} GiB, temporaries "
+            f"{r['host_temp_gib']:.2f} GiB")
 
   elif r["part"] == "state":
     print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
-          f"{'+'.join(r['param_axes'])}): {r['params'] / 1e12:.4f}T params, state "
+          f"{'+'.join(r['param_axes'])}, kernels {r['param_dtype']}, first moments "
+          f"{r['mu_dtype']}): {r['params'] / 1e12:.4f}T params, state "
           f"{r['state_gib_total']:.0f} GiB in all; per device: params "
           f"{r['params_gib_per_device']:.2f} GiB + optimizer {r['opt_gib_per_device']:.2f} GiB"
-          f" = {r['state_gib_per_device']:.2f} GiB")
+          f" = {r['state_gib_per_device']:.2f} GiB on the device"
+          + (f", + {r['opt_host_gib_per_device']:.2f} GiB of Muon momentum in host memory"
+             if r["offload_momentum"] else ""))
   else:
     print(f"small train step ({r['num_layers']} layers) on {r['devices']} simulated CPU "
           f"devices, batch "
@@ -339,7 +375,15 @@ def main(argv=None):
                  help="memory part: mesh sizes 'fsdp=4,expert=64' (default: the recommended)")
   p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
                  help="memory part: the trainer's Per-Head Muon (default) or AdamW for all")
-  p.add_argument("--seq_len", type=int, default=4096, help="memory part: tokens per sequence")
+  p.add_argument("--seq_len", type=int, default=0,
+                 help="memory part: tokens per sequence (default: the recipe's)")
+  p.add_argument("--param_dtype", default=None, choices=("float32", "bfloat16"),
+                 help="memory/state: dtype of the kernels (default: the recipe's)")
+  p.add_argument("--offload_momentum", default=None, choices=("true", "false"),
+                 help="memory/state: Muon's momentum in host memory (default: the recipe's)")
+  p.add_argument("--mu_dtype", default=None, choices=("", "float32", "bfloat16"),
+                 help="memory/state: dtype of the first moments, '' = the parameters' "
+                      "(default: the recipe's)")
   p.add_argument("--per_device_batch", type=int, default=1)
   p.add_argument("--steps", type=int, default=5, help="ep part: timed steps (median)")
   p.add_argument("--ep_batch", type=int, default=8)
@@ -364,12 +408,24 @@ def main(argv=None):
       and importlib.util.find_spec("libtpu") is None):
     p.error(LIBTPU_MISSING)
 
+  def recipe(n: int, field: str):
+    """The flag's value if given, else the recipe's for n devices (else the plain default)."""
+    given = {"seq_len": a.seq_len or None, "param_dtype": a.param_dtype,
+             "mu_dtype": a.mu_dtype, "offload_momentum": None if a.offload_momentum is None
+             else a.offload_momentum == "true"}[field]
+    if given is not None:
+      return given
+    return RECIPES.get(n, {}).get(field, DEFAULTS[field])
+
   if a.child:  # inside a subprocess with the right (simulated) devices
     if a.part == "memory":
-      res = memory_part(a.devices, a.seq_len, a.per_device_batch, target=a.target,
-                        topology=a.topology, preset_name=a.preset,
+      res = memory_part(a.devices, recipe(a.devices, "seq_len"), a.per_device_batch,
+                        target=a.target, topology=a.topology, preset_name=a.preset,
                         num_layers=a.num_layers or None, layout=layout,
-                        muon=a.optimizer == "muon")
+                        muon=a.optimizer == "muon",
+                        param_dtype=recipe(a.devices, "param_dtype"),
+                        mu_dtype=recipe(a.devices, "mu_dtype"),
+                        offload_momentum=recipe(a.devices, "offload_momentum"))
     else:
       res = ep_part(a.ep_layout, a.steps, a.ep_batch, a.ep_seq_len, a.ep_num_layers)
     print(json.dumps(res))
@@ -378,12 +434,15 @@ def main(argv=None):
   results = []
   if a.part in ("all", "state"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
-      results.append(state_part(n))
+      results.append(state_part(n, recipe(n, "param_dtype"), recipe(n, "mu_dtype"),
+                                recipe(n, "offload_momentum")))
   if a.part in ("all", "memory"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
       args = ["--part", "memory", "--devices", str(n), "--target", a.target, "--seq_len",
-              str(a.seq_len), "--per_device_batch", str(a.per_device_batch), "--preset",
-              a.preset, "--num_layers", str(a.num_layers)]
+              str(recipe(n, "seq_len")), "--per_device_batch", str(a.per_device_batch),
+              "--preset", a.preset, "--num_layers", str(a.num_layers),
+              "--param_dtype", recipe(n, "param_dtype"), "--mu_dtype", recipe(n, "mu_dtype"),
+              "--offload_momentum", str(recipe(n, "offload_momentum")).lower()]
       args += ["--topology", a.topology] if a.topology else []
       args += ["--layout", a.layout] if a.layout else []
       args += ["--optimizer", a.optimizer]
@@ -397,7 +456,11 @@ def main(argv=None):
         results.append(dict(part="memory", target="tpu", devices=n, preset=a.preset,
                             num_layers=a.num_layers or None, layout=a.layout or LAYOUTS.get(n),
                             topology=a.topology or TOPOLOGIES.get(n),
-                            optimizer=a.optimizer, error=msg))
+                            optimizer=a.optimizer, seq_len=recipe(n, "seq_len"),
+                            per_device_batch=a.per_device_batch,
+                            param_dtype=recipe(n, "param_dtype"),
+                            mu_dtype=recipe(n, "mu_dtype") or "params",
+                            offload_momentum=recipe(n, "offload_momentum"), error=msg))
   if a.part in ("all", "ep"):
     rows = [_subprocess(["--part", "ep", "--ep_layout", key, "--steps", str(a.steps),
                          "--ep_batch", str(a.ep_batch), "--ep_seq_len", str(a.ep_seq_len),
