@@ -32,7 +32,8 @@ layer) to fit a small machine's RAM.
 Usage:
   .venv/bin/python experiments/bench_sharding.py                  # state + memory (TPU AOT) + ep
   .venv/bin/python experiments/bench_sharding.py --part memory --devices 256
-  .venv/bin/python experiments/bench_sharding.py --part memory --devices 256 --offload_momentum false
+  .venv/bin/python experiments/bench_sharding.py --part memory --devices 256 \
+      --offload_momentum false                         # the 256 recipe, momentum on the chip
   .venv/bin/python experiments/bench_sharding.py --part memory --devices 2048 --num_layers 9
   .venv/bin/python experiments/bench_sharding.py --part memory --preset tiny --devices 4
       --layout fsdp=2,expert=2 --topology v5p:2x2x1 --seq_len 64      # a few CPU-minutes

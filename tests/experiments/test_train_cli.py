@@ -55,8 +55,8 @@ def test_sigkill_mid_run_then_resume(tmp_path):
   work, steps = tmp_path / "run", 14
   env = _env(tmp_path / "jax_cache")
   offload = "--config.optim.offload_momentum=True"
-  proc = subprocess.Popen(_cmd(work, steps, offload), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE)
+  proc = subprocess.Popen(_cmd(work, steps, offload), cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 900
   try:
     # Kill once a checkpoint exists and the run has gone past it (mid-interval).

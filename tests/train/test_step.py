@@ -88,9 +88,9 @@ def test_bf16_kernels_and_moments_train_like_fp32():
       kernels = {p: d for p, d in dtypes.items()
                  if p.endswith(("/w1", "/w2", "/w3", "q_proj/kernel"))}
       assert kernels and set(kernels.values()) == {jnp.dtype(jnp.bfloat16)}, kernels
-      small = {p: d for p, d in dtypes.items()
-               if p.endswith(("A_log", "dt_bias", "/weight", "gate/kernel", "conv1d"))}
-      assert small and set(small.values()) == {jnp.dtype(jnp.float32)}, small
+      vectors = {p: d for p, d in dtypes.items()
+                 if p.endswith(("A_log", "dt_bias", "/weight", "gate/kernel", "conv1d"))}
+      assert vectors and set(vectors.values()) == {jnp.dtype(jnp.float32)}, vectors
       mus = [x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim >= 2]
       assert jnp.dtype(jnp.bfloat16) in mus
   assert losses["fp32"][2] < losses["fp32"][0] and losses["bf16"][2] < losses["bf16"][0]

@@ -95,6 +95,10 @@ def test_bad_inputs_fail_before_compute(tmp_path, straight):
     train(_cfg(**{"balance.method": "median"}), str(tmp_path / "d"))
   with pytest.raises(ValueError, match="optim.mu_dtype"):
     train(_cfg(**{"optim.mu_dtype": "int8"}), str(tmp_path / "d2"))
+  with pytest.raises(ValueError, match="optim.offload_momentum: offloads Per-Head Muon"):
+    train(_cfg(**{"optim.offload_momentum": True, "optim.muon": False}), str(tmp_path / "d3"))
+  with pytest.raises(ValueError, match="offload_momentum: host memory needs a jit"):
+    train(_cfg(**{"optim.offload_momentum": True}), str(tmp_path / "d4"))
   c = _cfg()
   c.model.d_model = 32
   with pytest.raises(ValueError, match=r"another model config.*d_model"):
