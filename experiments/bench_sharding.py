@@ -106,6 +106,35 @@ def tpu_devices(topology: str, num_devices: int) -> list:
   return devices
 
 
+def _abstract_train_state(config, cfg):
+  """(tx, raw train step, boxed variables, abstract TrainState) of the trainer's optimizer for
+  the run config `cfg`: shapes and dtypes only, nothing allocated."""
+  import jax
+  import jax.numpy as jnp
+  import flax.linen as nn
+
+  from k3jax.model import K3Model
+  from k3jax.train import trainer
+  from k3jax.train.step import TrainState
+
+  tx, _, step_fn, _ = trainer._build(cfg, config, jit_step=lambda f: f)   # the raw step
+  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
+                         jnp.zeros((1, 8), jnp.int32))
+  variables = nn.unbox({c: boxed[c] for c in ("params", "balance")})
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
+                     balance=variables["balance"], opt_state=jax.eval_shape(tx.init, variables))
+  return tx, step_fn, boxed, state
+
+
+def _shard_gib(tree, shardings, host: bool = False) -> float:
+  """GiB of one device's shards of `tree` in host ("pinned_host") or device memory."""
+  import jax
+  shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+             for x, s in zip(jax.tree.leaves(tree), shs)
+             if (s.memory_kind == "pinned_host") == host) / 2.0 ** 30
+
+
 def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target: str = "tpu",
                 topology: str | None = None, preset_name: str = "k3",
                 num_layers: int | None = None, layout: dict | None = None,
@@ -113,13 +142,10 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
                 offload_momentum: bool = False) -> dict:
   import jax
   import jax.numpy as jnp
-  import flax.linen as nn
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from k3jax import sharding
-  from k3jax.model import K3Model
   from k3jax.train import trainer
-  from k3jax.train.step import TrainState
 
   layout = dict(layout or LAYOUTS[num_devices])
   if target == "tpu":
@@ -143,13 +169,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   cfg.optim.mu_dtype = mu_dtype
   cfg.optim.offload_momentum = offload_momentum
   t0 = time.perf_counter()
-  tx, _, step_fn, _ = trainer._build(cfg, config, jit_step=lambda f: f)   # the raw step
-  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                         jnp.zeros((1, 8), jnp.int32))
-  variables = nn.unbox({c: boxed[c] for c in ("params", "balance")})
-  opt_state = jax.eval_shape(tx.init, variables)
-  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
-                     balance=variables["balance"], opt_state=opt_state)
+  _, step_fn, boxed, state = _abstract_train_state(config, cfg)
   state_sh = sharding.train_state_shardings(mesh, state, boxed, rules, offload_momentum)
   keys = ("inputs", "targets", "segment_ids", "mtp_targets")
   batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in keys}
@@ -171,13 +191,8 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   compiled = lowered.compile()
   t2 = time.perf_counter()
   ma = compiled.memory_analysis()
-  n_params = sum(x.size for x in jax.tree.leaves(variables))
+  n_params = sum(x.size for x in jax.tree.leaves((state.params, state.balance)))
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-  shs = jax.tree.leaves(state_sh, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-  state_dev = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                  for x, s in zip(jax.tree.leaves(state), shs) if s.memory_kind != "pinned_host")
-  state_host = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x, s in zip(jax.tree.leaves(state), shs) if s.memory_kind == "pinned_host")
   gib = 2.0 ** 30
   peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
           + ma.temp_size_in_bytes)
@@ -192,7 +207,8 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
       offload_momentum=offload_momentum,
       remat=config.remat, capacity_factor=config.moe_capacity_factor,
       params=int(n_params), state_gib_total=state_bytes / gib,
-      state_gib_per_device=state_dev / gib, state_host_gib_per_device=state_host / gib,
+      state_gib_per_device=_shard_gib(state, state_sh),
+      state_host_gib_per_device=_shard_gib(state, state_sh, host=True),
       argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
       alias_bytes=int(ma.alias_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
       generated_code_bytes=int(ma.generated_code_size_in_bytes), peak_bytes=int(peak),
@@ -210,13 +226,9 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
   devices; device and host memory apart. A lower bound of the compiled figure (no
   activations, gradients or temporaries)."""
   import jax
-  import jax.numpy as jnp
-  import flax.linen as nn
 
   from k3jax import sharding
-  from k3jax.model import K3Model
   from k3jax.train import trainer
-  from k3jax.train.step import TrainState
 
   layout = LAYOUTS[num_devices]
   mesh = sharding.abstract_mesh(layout, num_devices)
@@ -225,31 +237,18 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
   cfg = trainer.base_config("tiny")
   cfg.optim.mu_dtype = mu_dtype
   cfg.optim.offload_momentum = offload_momentum
-  tx, _, _, _ = trainer._build(cfg, config, jit_step=lambda f: f)
-  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                         jnp.zeros((1, 8), jnp.int32))
-  variables = nn.unbox({c: boxed[c] for c in ("params", "balance")})
-  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
-                     balance=variables["balance"], opt_state=jax.eval_shape(tx.init, variables))
+  _, _, boxed, state = _abstract_train_state(config, cfg)
   sh = sharding.train_state_shardings(mesh, state, boxed, rules, offload_momentum)
-  gib = 2.0 ** 30
-
-  def per_device(tree, shs, host=False):
-    leaves = jax.tree.leaves(tree)
-    shs = jax.tree.leaves(shs, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-               for x, s in zip(leaves, shs) if (s.memory_kind == "pinned_host") == host) / gib
-
-  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / gib
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / 2.0 ** 30
   return dict(part="state", devices=num_devices, layout=layout, param_axes=list(PARAM_AXES),
               param_dtype=param_dtype, mu_dtype=mu_dtype or "params",
               offload_momentum=offload_momentum,
-              params=int(sum(x.size for x in jax.tree.leaves(variables))),
+              params=int(sum(x.size for x in jax.tree.leaves((state.params, state.balance)))),
               state_gib_total=total,
-              params_gib_per_device=per_device(state.params, sh.params),
-              opt_gib_per_device=per_device(state.opt_state, sh.opt_state),
-              opt_host_gib_per_device=per_device(state.opt_state, sh.opt_state, host=True),
-              state_gib_per_device=per_device(state, sh))
+              params_gib_per_device=_shard_gib(state.params, sh.params),
+              opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
+              opt_host_gib_per_device=_shard_gib(state.opt_state, sh.opt_state, host=True),
+              state_gib_per_device=_shard_gib(state, sh))
 
 
 def ep_layouts(n: int) -> dict:
@@ -476,9 +475,10 @@ def main(argv=None):
   for r in results:
     _print(r)
   blob = json.dumps({"results": results})
-  if a.out:
-    with open(a.out, "w") as f:
+  if a.out:  # written whole, then renamed: an interrupted run leaves no half file
+    with open(a.out + ".tmp", "w") as f:
       f.write(blob + "\n")
+    os.replace(a.out + ".tmp", a.out)
   print(blob)
 
 

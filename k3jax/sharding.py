@@ -313,19 +313,12 @@ def opt_state_shardings(mesh: Mesh, abstract_opt_state: Any, params: Any,
   if not offload_momentum:
     return out
   is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
-  found = []
-
-  def host(node):
-    if not is_muon(node):
-      return node
-    found.append(node)
-    return MuonState(mu=jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), node.mu))
-
-  out = jax.tree.map(host, out, is_leaf=is_muon)
-  if not found:
+  if not any(is_muon(x) for x in jax.tree.leaves(out, is_leaf=is_muon)):
     raise ValueError("offload_momentum=True: the optimizer state has no MuonState "
                      "(optim.muon=False?), so there is no momentum to offload")
-  return out
+  return jax.tree.map(
+      lambda x: MuonState(mu=jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), x.mu))
+      if is_muon(x) else x, out, is_leaf=is_muon)
 
 
 def batch_spec(ndim: int, context: bool = True) -> P:
