@@ -153,6 +153,11 @@ def _col(r, n):
   return jnp.sum(jnp.where(eye, jnp.broadcast_to(r, (n, n)), 0.0), axis=1, keepdims=True)
 
 
+def _nonpos(x):
+  """min(x, 0) whose gradient is 1 wherever x <= 0 (ties included) and 0 where x > 0."""
+  return jnp.where(x <= 0.0, x, 0.0)
+
+
 def _unit_lower_inverse(n, ident, tiles, dot):
   """(I + n)^-1 for n strictly lower nilpotent of order <= `tiles`, by doubling:
   (I - n)(I + n^2)(I + n^4)... (log2(tiles) products, all dense)."""
@@ -203,13 +208,17 @@ def _chunk_step(q, k, v, g, beta, s, dot=_dot):
   d_qk = _mm_t(qf * e_row, k_col, cd, dot=dot)
   # Off-diagonal tiles, one column tile J at a time, reference G at J's last token. The
   # exponents are clamped at 0 so rows that the mask drops stay finite (no inf * 0 in the vjp).
+  # The clamp is a select that keeps x at x == 0 (`_nonpos`), not jnp.minimum: the exponent is
+  # exactly 0 wherever g == 0 on the tokens between the reference and the row (a gate whose
+  # sigmoid underflows, padding), where minimum's vjp would give each side half the cotangent
+  # (half those terms of dg).
   rows_k = lax.broadcasted_iota(jnp.int32, (c, dk), 0)
   o_kk = jnp.zeros((c, c), f32)
   o_qk = jnp.zeros((c, c), f32)
   for j in range(nt - 1):
     ref = _row(gc, SUB * j + SUB - 1)
-    kj = jnp.where(_tile(rows_k) == j, kf * jnp.exp(jnp.minimum(ref - gc, 0.0)), 0.0)
-    ej = jnp.exp(jnp.minimum(gc - ref, 0.0))
+    kj = jnp.where(_tile(rows_k) == j, kf * jnp.exp(_nonpos(ref - gc)), 0.0)
+    ej = jnp.exp(_nonpos(gc - ref))
     o_kk = o_kk + _mm_t(kf * ej, kj, cd, dot=dot)
     o_qk = o_qk + _mm_t(qf * ej, kj, cd, dot=dot)
   a_kk = beta * jnp.where(later, o_kk, jnp.where(same & (col < row), d_kk, 0.0))

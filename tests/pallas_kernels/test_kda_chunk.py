@@ -224,3 +224,40 @@ def test_bad_shapes_name_the_argument():
     kda_chunked_pallas(q, k, v, g, beta, initial_state=s0[:, :, :8])
   with pytest.raises(ValueError, match="chunk_size"):
     kda_chunked_pallas(q, k, v, g, beta, chunk_size=48)
+
+
+# --------------------------------------------------------------------- gates at the ends of the range
+_NATIVE_LAUNCH = "loop" if jax.default_backend() in ("gpu", "cuda", "rocm") else "grid"
+
+
+def _gates_at_both_ends(t, h, dk, lower_bound):
+  """The bounded gate with some inputs saturated both ways: feature d of token t is exactly
+  `lower_bound` (sigmoid = 1.0 in fp32) when (t + d) % 3 == 0, exactly 0 (sigmoid underflow)
+  when (t + d) % 3 == 1, and inside (lower_bound, 0) otherwise, so every 16-token tile starts
+  with exact zeros and exact bounds in some features."""
+  pos = jnp.arange(t)[:, None, None] + jnp.arange(dk)[None, None, :]
+  free = 3.0 * jax.random.normal(jax.random.PRNGKey(11), (1, t, h, dk))
+  z = jnp.where(pos % 3 == 0, 200.0, jnp.where(pos % 3 == 1, -200.0, free))
+  return kda.kda_gate(z, jnp.zeros((h,)), jnp.zeros((h, dk)), lower_bound=lower_bound)
+
+
+@pytest.mark.parametrize("launch", ["grid", "loop"])
+def test_gates_at_bound_and_zero_match_chunked(launch):
+  """g exactly at lower_bound and exactly 0, mixed with free gates, over two 32-token chunks
+  (padded: T = 40), so the off-diagonal tile rescale sees exponents of exactly 0: values and
+  the gradients of q, k, v, g, beta, s0 equal `kda_chunked`'s for both launch forms."""
+  lb, t, dk = -5.0, 40, 16
+  q, k, v, _, beta, s0 = _inputs(12, 1, t, 1, dk, dk)
+  g = _gates_at_both_ends(t, 1, dk, lb)
+  assert np.any(np.asarray(g) == lb) and np.any(np.asarray(g) == 0.0)
+  assert np.all(np.asarray(g) >= lb)
+  interpret = None if launch == _NATIVE_LAUNCH else True
+  pallas = lambda *a: kda_chunked_pallas(*a[:5], initial_state=a[5], chunk_size=32,
+                                         lower_bound=lb, launch=launch, interpret=interpret)
+  chunked = lambda *a: kda.kda_chunked(*a[:5], initial_state=a[5], lower_bound=lb)
+  args = (q, k, v, g, beta, s0)
+  o, s = jax.jit(pallas)(*args)
+  o_c, s_c = jax.jit(chunked)(*args)
+  assert _rel_err(o, o_c) < 1e-5 and _rel_err(s, s_c) < 1e-5
+  for name, a, r in zip(_NAMES, _grads(pallas, args), _grads(chunked, args)):
+    assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
