@@ -8,9 +8,11 @@ Two source layouts (K3_SPEC.md §9):
   `routed_expert_hidden_size`, `attn_res_block_size`, SiTU, MLA output gate).
 
 `from_hf_config` refuses what our model cannot reproduce (grouped top-k that actually restricts
-groups, non-sigmoid routers, no renormalisation, GQA in MLA, RoPE, biases, a layer layout other
-than "MLA every N (+ last)") with a ValueError naming the key, rather than silently converting
-into a different network.
+groups, non-sigmoid routers, no renormalisation, RoPE, biases, a layer layout other than
+"MLA every N (+ last)") with a ValueError naming the key, rather than silently converting into a
+different network. Keys it accepts although they ask for something our model does not do,
+because no weight depends on them, are listed by `ignored_keys` (the converter prints them):
+`num_key_value_heads` != `num_attention_heads` is one (MLA has no GQA).
 """
 
 from __future__ import annotations
@@ -152,9 +154,7 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
   if tc.get("attention_bias"):
     _bad("attention_bias", "false", True)
   heads = int(req("num_attention_heads"))
-  kv_heads = _first(tc, "num_key_value_heads", default=heads)
-  if kv_heads not in (None, heads):
-    _bad("num_key_value_heads", f"{heads} (= num_attention_heads; MLA has no GQA)", kv_heads)
+  # num_key_value_heads is not read: see ignored_keys.
   if not _first(tc, "mla_use_nope", default=True):
     _bad("mla_use_nope", "true (NoPE MLA; no rotary embedding)", False)
   if tc.get("use_full_rank_gate") is not None and "use_full_rank_gate" not in lac:
@@ -217,6 +217,27 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
   if unknown:
     raise ValueError(f"overrides: unknown ModelConfig field(s) {unknown}")
   return ModelConfig(**{**kw, **overrides})
+
+
+def ignored_keys(d: dict) -> dict[str, str]:
+  """{key: why} for keys of a config dict that `from_hf_config` accepts and does not use although
+  their value asks for something our model does not do. Empty for the configs `to_hf_config`
+  writes.
+
+  num_key_value_heads: MLA's keys and values are projected per head from one latent that every
+  head shares (`kv_b` has num_attention_heads × (qk_nope + v) outputs), so there are no KV head
+  groups to size. transformers' KimiLinearAttention builds the same weights whatever the key
+  says; where its forward runs with a value other than num_attention_heads, the logits are
+  those of num_attention_heads.
+  """
+  tc = text_config(d)
+  out = {}
+  heads, kv_heads = tc.get("num_attention_heads"), tc.get("num_key_value_heads")
+  if kv_heads is not None and heads is not None and kv_heads != heads:
+    out["num_key_value_heads"] = (
+        f"{kv_heads!r} != num_attention_heads ({heads!r}); MLA has one latent KV shared by all "
+        f"heads and no GQA, so the model has {heads} query/key/value heads")
+  return out
 
 
 def is_k3_style(c: ModelConfig) -> bool:
@@ -293,4 +314,5 @@ def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
               tie_word_embeddings=c.tie_word_embeddings, text_config=tc)
 
 
-__all__ = ["from_hf_config", "to_hf_config", "detect_arch", "text_config", "is_k3_style"]
+__all__ = ["from_hf_config", "to_hf_config", "ignored_keys", "detect_arch", "text_config",
+           "is_k3_style"]

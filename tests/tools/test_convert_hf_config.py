@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from k3jax import hf_config
 from k3jax.config import ModelConfig, preset
 
 # Moonshot's Kimi-Linear-48B-A3B config.json as published (keys recalled from the public file, not
@@ -74,7 +75,6 @@ def test_transformers_layer_types_are_accepted():
     ("moe_router_activation_func", "softmax", "moe_router_activation_func"),
     ("moe_renormalize", False, "moe_renormalize"),
     ("topk_group", 2, "topk_group"),
-    ("num_key_value_heads", 8, "num_key_value_heads"),
     ("hidden_act", "gelu", "hidden_act"),
     ("attention_bias", True, "attention_bias"),
 ])
@@ -84,6 +84,36 @@ def test_unsupported_keys_are_refused(key, value, match):
     d["num_expert_group"] = 4
   with pytest.raises(ValueError, match=match):
     ModelConfig.from_hf_config(d)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 8, 64])
+def test_num_key_value_heads_is_ignored_and_reported(kv_heads):
+  # transformers' KimiLinearAttention sizes no weight by num_key_value_heads (MLA shares one
+  # latent KV across heads), so such a config is the same network as kv_heads == heads.
+  d = dict(KIMI_LINEAR_48B, num_key_value_heads=kv_heads)
+  c = ModelConfig.from_hf_config(d)
+  assert _arch(c) == _arch(preset("kimi_linear_48b"))
+  ignored = hf_config.ignored_keys(d)
+  assert list(ignored) == ["num_key_value_heads"]
+  assert f"{kv_heads} != num_attention_heads (32)" in ignored["num_key_value_heads"]
+  # the round trip writes a config with nothing ignored, describing the same model
+  back = c.to_hf_config()
+  assert back["num_key_value_heads"] == back["num_attention_heads"] == 32
+  assert hf_config.ignored_keys(back) == {}
+  assert _arch(ModelConfig.from_hf_config(back)) == _arch(c)
+
+
+def test_num_key_value_heads_in_k3_text_config_is_reported():
+  d = preset("tiny").to_hf_config()
+  d["text_config"]["num_key_value_heads"] = 1
+  assert list(hf_config.ignored_keys(d)) == ["num_key_value_heads"]
+  assert _arch(ModelConfig.from_hf_config(d)) == _arch(preset("tiny"))
+
+
+def test_nothing_ignored_in_written_or_published_configs():
+  for name in ("k3", "kimi_linear_48b", "tiny"):
+    assert hf_config.ignored_keys(preset(name).to_hf_config()) == {}, name
+  assert hf_config.ignored_keys(KIMI_LINEAR_48B) == {}
 
 
 def test_irregular_layer_layout_is_refused():

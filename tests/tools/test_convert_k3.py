@@ -187,6 +187,24 @@ def test_unsupported_config_key_is_refused(k3, tmp_path):
   _expect_error(d, tmp_path, r"(?s)'topk_group'.*group-limited top-k is not implemented")
 
 
+def test_ignored_config_key_is_reported(k3, tmp_path):
+  config, variables, src, _ = k3
+  d = _copy(src, tmp_path)
+  cfg = json.loads((d / "config.json").read_text())
+  cfg["text_config"]["num_key_value_heads"] = 1     # MLA has no GQA: no weight depends on it
+  (d / "config.json").write_text(json.dumps(cfg))
+  lines = []
+  dst = convert(d, tmp_path / "out", progress=False, log=lines.append,
+                kda_chunk_size=config.kda_chunk_size)
+  assert [l for l in lines if "num_key_value_heads" in l] == [
+      f"config.json: ignoring 'num_key_value_heads': 1 != num_attention_heads "
+      f"({config.num_heads}); MLA has one latent KV shared by all heads and no GQA, so the "
+      f"model has {config.num_heads} query/key/value heads"]
+  got_config, got = load_pretrained(dst)
+  assert got_config.replace(name=config.name) == config
+  _assert_trees_equal(jax.tree.map(np.asarray, got), variables)
+
+
 def test_existing_destination_is_refused(k3, tmp_path):
   (tmp_path / "out").mkdir()
   with pytest.raises(ValueError, match="already exists"):

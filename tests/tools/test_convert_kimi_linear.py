@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from k3jax import hf_config
+from k3jax.config import ModelConfig
 from k3jax.convert import convert, export
 from k3jax.convert.safetensors_io import Source
 from k3jax.model import K3Model
@@ -29,10 +31,10 @@ from k3jax.train.checkpoint import load_pretrained
 
 
 
-def _hf_model(num_layers, full_attn, q_lora_rank, seed):
+def _hf_model(num_layers, full_attn, q_lora_rank, seed, **config_kw):
   from transformers import KimiLinearConfig, KimiLinearForCausalLM
   torch.manual_seed(seed)
-  cfg = KimiLinearConfig(
+  cfg = KimiLinearConfig(**{**dict(
       vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
       num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2,
       kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -42,7 +44,7 @@ def _hf_model(num_layers, full_attn, q_lora_rank, seed):
                               full_attn_layers=full_attn,
                               kda_layers=[i for i in range(1, num_layers + 1)
                                           if i not in full_attn]),
-      first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+      first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2), **config_kw})
   model = KimiLinearForCausalLM(cfg).eval()
   g = torch.Generator().manual_seed(seed)
   with torch.no_grad():
@@ -99,3 +101,35 @@ def test_logits_match_transformers(tmp_path, num_layers, full_attn, q_lora_rank)
   cfg = json.loads((back / "config.json").read_text())
   assert cfg["linear_attn_config"]["full_attn_layers"] == full_attn
   assert cfg["routed_scaling_factor"] == pytest.approx(1.7)
+
+
+def test_transformers_ignores_num_key_value_heads():
+  """Why from_hf_config accepts num_key_value_heads != num_attention_heads (reporting it in
+  hf_config.ignored_keys): transformers' MLA sizes no weight by it, and where its forward runs
+  with such a value (here: v_head_dim = qk head dim and no mask, SDPA's GQA path) the logits are
+  those of num_key_value_heads = num_attention_heads. With v_head_dim != qk head dim and
+  num_attention_heads // num_key_value_heads > 1, transformers' own forward raises."""
+  from transformers import KimiLinearConfig, KimiLinearForCausalLM
+  kw = dict(v_head_dim=16)
+  ref = _hf_model(3, [2, 3], None, seed=3, **kw)
+  gqa = _hf_model(3, [2, 3], None, seed=3, num_key_value_heads=1, **kw)
+  a, b = ref.state_dict(), gqa.state_dict()
+  assert sorted(a) == sorted(b)
+  for n in a:
+    torch.testing.assert_close(b[n], a[n], rtol=0, atol=0, msg=n)
+  tokens = torch.tensor(np.random.default_rng(0).integers(3, 96, size=(2, 11)))
+  with torch.no_grad():
+    torch.testing.assert_close(gqa(tokens).logits, ref(tokens).logits, rtol=0, atol=0)
+
+  d = gqa.config.to_dict()
+  assert list(hf_config.ignored_keys(d)) == ["num_key_value_heads"]
+  config = ModelConfig.from_hf_config(d)
+  assert config == ModelConfig.from_hf_config(ref.config.to_dict())
+  # the round trip is a config transformers builds the same weights from, with nothing ignored
+  # (token ids are not part of ModelConfig: transformers' defaults lie outside this tiny vocab)
+  back = config.to_hf_config("kimi_linear")
+  assert hf_config.ignored_keys(back) == {}
+  assert back["num_key_value_heads"] == back["num_attention_heads"] == 2
+  rebuilt = KimiLinearForCausalLM(KimiLinearConfig(
+      **back, pad_token_id=0, bos_token_id=1, eos_token_id=2)).state_dict()
+  assert {n: t.shape for n, t in rebuilt.items()} == {n: t.shape for n, t in a.items()}
