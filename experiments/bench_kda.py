@@ -22,7 +22,6 @@ The last line printed with --json is one JSON object with every row and the goal
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import json
@@ -31,39 +30,48 @@ import sys
 import time
 
 import numpy as np
+from absl import app, flags
 
 SIZES_CPU = ("1024x4x64", "4096x4x64", "16384x4x64", "1024x8x128", "4096x8x128", "16384x8x128")
 SIZES_QUICK = ("1024x4x64",)
 SIZES_GPU = ("8192x96x128", "32768x96x128")
 
 
-def _parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--sizes", default=None,
-                 help="comma-separated TxHxK (K=V), e.g. 1024x4x64,16384x8x128 (default: CPU set)")
-  p.add_argument("--quick", action="store_true", help="smallest size only (< 1 min)")
-  p.add_argument("--gpu_suite", action="store_true",
-                 help="B=1,H=96,K=V=128,T in {8K,32K}, bf16 inputs: xla vs pallas vs fla chunk_kda")
-  p.add_argument("--backend", default="xla", choices=("xla", "pallas"),
-                 help="implementation behind the 'chunked' rows")
-  p.add_argument("--impls", default="chunked,recurrent,torch_chunk,fla_naive",
-                 help="subset of chunked,recurrent,torch_chunk,fla_naive,fla_chunk,pallas")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--chunk_size", type=int, default=64)
-  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                 help="input dtype (default float32; bfloat16 in --gpu_suite)")
-  p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
-  p.add_argument("--max_run_gib", type=float, default=4.0,
-                 help="only report memory (do not run) when a JAX program needs more temp memory")
-  p.add_argument("--max_torch_tokens", type=int, default=16384,
-                 help="skip the PyTorch references above this T (they are slow)")
-  p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-  p.add_argument("--out", default=None, help="also write the JSON object to this path")
-  p.add_argument("--malloc", default="keep", choices=("keep", "default"),
-                 help="keep: one glibc malloc arena that keeps its pages "
-                      "(k3jax.runtime.keep_cpu_allocations; applies to the torch references in "
-                      "the same process too); default: glibc's defaults")
-  return p.parse_args(argv)
+DEFAULT_IMPLS = "chunked,recurrent,torch_chunk,fla_naive"
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Registers the benchmark's flags on `flag_values`.
+
+  Called when the file runs as a script (tests call it with their own FlagValues): importing
+  the module registers nothing, so it can share a process with other entry points that also
+  define --json, --out or --dtype.
+  """
+  fv = dict(flag_values=flag_values)
+  flags.DEFINE_string("sizes", None, "comma-separated TxHxK (K=V), e.g. 1024x4x64,16384x8x128 "
+                      "(default: the CPU set)", **fv)
+  flags.DEFINE_bool("quick", False, "smallest size only (< 1 min)", **fv)
+  flags.DEFINE_bool("gpu_suite", False, "B=1,H=96,K=V=128,T in {8K,32K}, bf16 inputs: xla vs "
+                    "pallas vs fla chunk_kda", **fv)
+  flags.DEFINE_enum("backend", "xla", ["xla", "pallas"],
+                    "implementation behind the 'chunked' rows", **fv)
+  flags.DEFINE_string("impls", DEFAULT_IMPLS, "subset of chunked,recurrent,torch_chunk,"
+                      "fla_naive,fla_chunk,pallas", **fv)
+  flags.DEFINE_integer("batch", 1, "batch size B", **fv)
+  flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked forms", **fv)
+  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                    "input dtype (default float32; bfloat16 in --gpu_suite)", **fv)
+  flags.DEFINE_integer("repeats", 3, "timed runs (the median is reported)", **fv)
+  flags.DEFINE_float("max_run_gib", 4.0, "only report memory (do not run) when a JAX program "
+                     "needs more temp memory", **fv)
+  flags.DEFINE_integer("max_torch_tokens", 16384,
+                       "skip the PyTorch references above this T (they are slow)", **fv)
+  flags.DEFINE_bool("json", False, "print one JSON object as the last line", **fv)
+  flags.DEFINE_string("out", None, "also write the JSON object to this path", **fv)
+  flags.DEFINE_enum("malloc", "keep", ["keep", "default"],
+                    "keep: one glibc malloc arena that keeps its pages "
+                    "(k3jax.runtime.keep_cpu_allocations; applies to the torch references in "
+                    "the same process too); default: glibc's defaults", **fv)
 
 
 def _sizes(args):
@@ -267,7 +275,7 @@ def run(args):
 
   dtype = args.dtype or ("bfloat16" if args.gpu_suite else "float32")
   impls = [s for s in args.impls.split(",") if s]
-  if args.gpu_suite and args.impls == _parse_args([]).impls:
+  if args.gpu_suite and args.impls == DEFAULT_IMPLS:
     impls = ["chunked", "pallas", "fla_chunk"]
   device = jax.default_backend()
   rows, unavailable = [], {}
@@ -360,8 +368,10 @@ def _print_table(result):
           f"{f(g.get('fwd_speed_vs_recurrent')):>7s}")
 
 
-def main(argv=None):
-  args = _parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  args = flags.FLAGS
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   malloc = "default"
   if args.malloc == "keep":
@@ -382,4 +392,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -43,7 +43,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import json
@@ -51,6 +50,8 @@ import os
 import subprocess
 import sys
 import time
+
+from absl import app, flags
 
 # Recommended recipes for the k3 preset (docs/notes/sharding.md gives the reasoning): the mesh
 # layout, the dtype of the kernels (`param_dtype`) and of the optimizer's first moments
@@ -360,53 +361,68 @@ def _print(r: dict) -> None:
       print(f"  step time EP / replicated = {r['ep_over_replicated']:.2f}")
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--part", default="all", choices=("all", "memory", "state", "ep"))
-  p.add_argument("--devices", type=int, default=0, help="memory/state: 256 or 2048 (default both)")
-  p.add_argument("--target", default="tpu", choices=("tpu", "cpu"),
-                 help="memory part: deviceless TPU AOT (needs libtpu) or simulated CPU devices")
-  p.add_argument("--topology", default=None,
-                 help=f"memory part, --target tpu: TPU topology (default {TOPOLOGIES})")
-  p.add_argument("--preset", default="k3", help="memory part: model preset (default k3)")
-  p.add_argument("--num_layers", type=int, default=0,
-                 help="memory part: override the preset's depth (0 = the preset's)")
-  p.add_argument("--layout", default=None,
-                 help="memory part: mesh sizes 'fsdp=4,expert=64' (default: the recommended)")
-  p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
-                 help="memory part: the trainer's Per-Head Muon (default) or AdamW for all")
-  p.add_argument("--seq_len", type=int, default=0,
-                 help="memory part: tokens per sequence (default: the recipe's)")
-  p.add_argument("--param_dtype", default=None, choices=("float32", "bfloat16"),
-                 help="memory/state: dtype of the kernels (default: the recipe's)")
-  p.add_argument("--offload_momentum", default=None, choices=("true", "false"),
-                 help="memory/state: Muon's momentum in host memory (default: the recipe's)")
-  p.add_argument("--mu_dtype", default=None, choices=("", "float32", "bfloat16"),
-                 help="memory/state: dtype of the first moments, '' = the parameters' "
-                      "(default: the recipe's)")
-  p.add_argument("--per_device_batch", type=int, default=1)
-  p.add_argument("--steps", type=int, default=5, help="ep part: timed steps (median)")
-  p.add_argument("--ep_batch", type=int, default=8)
-  p.add_argument("--ep_seq_len", type=int, default=64)
-  p.add_argument("--ep_devices", type=int, default=8,
-                 help="ep part: simulated CPU devices (the replicated layout holds one full\n"
-                      "copy of state + step temporaries per device in this process's RAM)")
-  p.add_argument("--ep_num_layers", type=int, default=2,
-                 help="ep part: depth of the small model (default 2: one dense + one MoE\n"
-                      "layer; 0 = the preset's 8, whose replicated fp32 state on 8\n"
-                      "simulated devices alone needs ~11 GB of RAM)")
-  p.add_argument("--ep_layout", default=None, choices=("expert", "replicated"),
-                 help=argparse.SUPPRESS)
-  p.add_argument("--out", default=None)
-  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-  a = p.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Registers the benchmark's flags on `flag_values`.
+
+  Called when the file runs as a script (tests call it with their own FlagValues): importing
+  the module registers nothing, so it can share a process with other entry points that also
+  define --preset, --steps or --out.
+  """
+  fv = dict(flag_values=flag_values)
+  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep"], "what to measure", **fv)
+  flags.DEFINE_integer("devices", 0, "memory/state: 256 or 2048 (default both)", **fv)
+  flags.DEFINE_enum("target", "tpu", ["tpu", "cpu"], "memory part: deviceless TPU AOT (needs "
+                    "libtpu) or simulated CPU devices", **fv)
+  flags.DEFINE_string("topology", None, "memory part, --target tpu: TPU topology (default "
+                      f"{TOPOLOGIES})", **fv)
+  flags.DEFINE_string("preset", "k3", "memory part: model preset (default k3)", **fv)
+  flags.DEFINE_integer("num_layers", 0,
+                       "memory part: override the preset's depth (0 = the preset's)", **fv)
+  flags.DEFINE_string("layout", None, "memory part: mesh sizes 'fsdp=4,expert=64' (default: "
+                      "the recommended)", **fv)
+  flags.DEFINE_enum("optimizer", "muon", ["muon", "adamw"],
+                    "memory part: the trainer's Per-Head Muon (default) or AdamW for all", **fv)
+  flags.DEFINE_integer("seq_len", 0,
+                       "memory part: tokens per sequence (default: the recipe's)", **fv)
+  flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"],
+                    "memory/state: dtype of the kernels (default: the recipe's)", **fv)
+  flags.DEFINE_enum("offload_momentum", None, ["true", "false"],
+                    "memory/state: Muon's momentum in host memory (default: the recipe's)", **fv)
+  flags.DEFINE_enum("mu_dtype", None, ["", "float32", "bfloat16"],
+                    "memory/state: dtype of the first moments, '' = the parameters' "
+                    "(default: the recipe's)", **fv)
+  flags.DEFINE_integer("per_device_batch", 1, "memory part: sequences per device", **fv)
+  flags.DEFINE_integer("steps", 5, "ep part: timed steps (median)", **fv)
+  flags.DEFINE_integer("ep_batch", 8, "ep part: global batch size", **fv)
+  flags.DEFINE_integer("ep_seq_len", 64, "ep part: tokens per sequence", **fv)
+  flags.DEFINE_integer("ep_devices", 8, "ep part: simulated CPU devices (the replicated layout "
+                       "holds one full copy of state + step temporaries per device in this "
+                       "process's RAM)", **fv)
+  flags.DEFINE_integer("ep_num_layers", 2, "ep part: depth of the small model (default 2: one "
+                       "dense + one MoE layer; 0 = the preset's 8, whose replicated fp32 state "
+                       "on 8 simulated devices alone needs ~11 GB of RAM)", **fv)
+  flags.DEFINE_enum("ep_layout", None, ["expert", "replicated"],
+                    "internal (--child): the one ep layout to time", **fv)
+  flags.DEFINE_string("out", None, "also write the JSON object to this path", **fv)
+  flags.DEFINE_bool("child", False, "internal: run one measurement in this process (the "
+                    "parent starts it with the right devices)", **fv)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  run(flags.FLAGS)
+
+
+def run(a: flags.FlagValues) -> None:
+  """The benchmark for parsed flags `a` (the FlagValues define_flags filled)."""
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   layout = parse_layout(a.layout) if a.layout else None
   if a.part in ("all", "memory") and not a.devices and (layout or a.topology):
-    p.error("--layout / --topology need --devices")
+    raise app.UsageError("--layout / --topology need --devices")
   if (a.part in ("all", "memory") and a.target == "tpu"
       and importlib.util.find_spec("libtpu") is None):
-    p.error(LIBTPU_MISSING)
+    raise app.UsageError(LIBTPU_MISSING)
 
   def recipe(n: int, field: str):
     """The flag's value if given, else the recipe's for n devices (else the plain default)."""
@@ -483,4 +499,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

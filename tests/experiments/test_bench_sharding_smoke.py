@@ -1,12 +1,68 @@
-"""experiments/bench_sharding.py: argument parsing, the layout table and the message when the
-optional libtpu is missing. Cheap: nothing here compiles a model (the deviceless TPU compile
-itself needs the `tpu_aot` extra; docs/notes/sharding.md has the manual check)."""
+"""experiments/bench_sharding.py: flag parsing (the documented command lines), the layout
+table and the message when the optional libtpu is missing. Cheap: nothing here compiles a model
+(the deviceless TPU compile itself needs the `tpu_aot` extra; docs/notes/sharding.md has the
+manual check)."""
 
 import importlib.util
+import shlex
 
 import pytest
+from absl import app, flags
 
 from experiments import bench_sharding as bench
+
+
+def _flags(args):
+  """The benchmark's flags parsed from `args` (a fresh FlagValues: nothing global)."""
+  fv = flags.FlagValues()
+  bench.define_flags(fv)
+  rest = fv(["bench_sharding.py", *args])
+  assert rest == ["bench_sharding.py"], rest
+  return fv
+
+
+def _run(*args):
+  bench.run(_flags(args))
+
+
+# Command lines of the module docstring, README.md and docs/notes/sharding.md.
+DOCUMENTED = [
+    "",
+    "--part memory --devices 256",
+    "--part memory --devices 256 --offload_momentum false",
+    "--part memory --devices 2048 --num_layers 9",
+    "--part memory --preset tiny --devices 4 --layout fsdp=2,expert=2 --topology v5p:2x2x1 "
+    "--seq_len 64",
+    "--part ep --ep_devices 4 --steps 5",
+    "--part ep --ep_devices 4 --steps 5 --ep_batch 8 --ep_seq_len 64 --ep_num_layers 2",
+    "--part state",
+    "--part memory --devices 2048 --out /tmp/x.json",
+    "--part memory --devices 2048 --layout fsdp=16,expert=64,tensor=2 --out docs/b.json",
+    "--part memory --devices 256 --optimizer adamw",
+]
+
+
+@pytest.mark.parametrize("line", DOCUMENTED)
+def test_documented_command_lines_parse(line):
+  _flags(shlex.split(line))
+
+
+def test_flag_values_and_defaults():
+  f = _flags([])
+  assert (f.part, f.devices, f.target, f.topology, f.preset, f.num_layers, f.layout) == (
+      "all", 0, "tpu", None, "k3", 0, None)
+  assert (f.optimizer, f.seq_len, f.param_dtype, f.offload_momentum, f.mu_dtype) == (
+      "muon", 0, None, None, None)
+  assert (f.per_device_batch, f.steps, f.ep_batch, f.ep_seq_len, f.ep_devices,
+          f.ep_num_layers, f.ep_layout, f.out, f.child) == (1, 5, 8, 64, 8, 2, None, None, False)
+  # the parent passes these to its --child processes, "" included (the parameters' dtype)
+  f = _flags(["--mu_dtype", "", "--offload_momentum", "true", "--out=r.json", "--child",
+              "--ep_layout", "expert"])
+  assert (f.mu_dtype, f.offload_momentum, f.out, f.child, f.ep_layout) == (
+      "", "true", "r.json", True, "expert")
+  for bad in (["--part", "bogus"], ["--mu_dtype", "float16"], ["--offload_momentum", "yes"]):
+    with pytest.raises(flags.IllegalFlagValueError):
+      _flags(bad)
 
 
 def test_parse_layout():
@@ -26,22 +82,21 @@ def test_recommended_layouts_fill_the_device_counts():
     assert dims[0] * dims[1] * dims[2] == n
 
 
-def test_missing_libtpu_is_a_clear_error(monkeypatch, capsys):
+def test_missing_libtpu_is_a_clear_error(monkeypatch):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "libtpu" else real(name, *a))
-  with pytest.raises(SystemExit) as e:
-    bench.main(["--part", "memory", "--devices", "256"])
-  assert e.value.code == 2
-  err = capsys.readouterr().err
+  with pytest.raises(app.UsageError) as e:
+    _run("--part", "memory", "--devices", "256")
+  err = str(e.value)
   assert "libtpu" in err and "[tpu_aot]" in err and "--target cpu" in err
   with pytest.raises(SystemExit, match=r"tpu_aot"):
     bench.tpu_devices("v5p:2x2x1", 4)
 
 
 def test_layout_needs_devices():
-  with pytest.raises(SystemExit):
-    bench.main(["--part", "memory", "--target", "cpu", "--layout", "fsdp=2"])
+  with pytest.raises(app.UsageError, match="need --devices"):
+    _run("--part", "memory", "--target", "cpu", "--layout", "fsdp=2")
 
 
 def test_state_part_follows_each_recipe(capsys):
@@ -49,8 +104,8 @@ def test_state_part_follows_each_recipe(capsys):
   store kernels and first moments in bf16 and Muon's momentum in host memory, 2048 keep fp32
   on the device."""
   import json
-  bench.main(["--part", "state", "--devices", "256"])
-  bench.main(["--part", "state", "--devices", "2048"])
+  _run("--part", "state", "--devices", "256")
+  _run("--part", "state", "--devices", "2048")
   r256, r2048 = [json.loads(l)["results"][0] for l in capsys.readouterr().out.splitlines()
                  if l.startswith("{")]
   gib = 2.0 ** 30
