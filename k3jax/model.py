@@ -235,7 +235,9 @@ class K3Model(nn.Module):
       mtp = MTP(cfg, name="mtp")
       if return_mtp:
         seg = None if segment_ids is None else segment_ids[:, 1:]
-        # T−1 positions: batch-sharded only (T−1 need not divide the context axis).
+        # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
+        # T−1); the context-parallel attention and the expert dispatch pad them to a multiple
+        # of their axes themselves (k3jax/parallel/): the results equal the single-device run.
         mtp_in = sharding.constrain_activations((h[:, :-1], embed(tokens[:, 1:])), context=False)
         mtp_logits = self._head(embed, head, mtp(*mtp_in, seg))
         return logits, mtp_logits

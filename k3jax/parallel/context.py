@@ -18,6 +18,9 @@ the previous shard by `ppermute` (zeros for the first shard).
 
 MLA (`mla_attention_context_parallel`): keys/values (or the latents they are expanded from) are
 all-gathered over `context`; queries keep their shard and the causal mask uses global positions.
+A length the context axis does not divide (the MTP layer's T−1 positions) is padded at the end
+to the next multiple: the causal mask hides the padded keys from every real query, and padded
+queries are left out of the max logit and sliced off the output.
 
 All functions here are meant to be called *inside* `jax.shard_map` with `context` among the
 manual axes (the `*_sharded` wrappers build that shard_map from a mesh). The `maybe_*` wrappers
@@ -196,13 +199,16 @@ def all_gather_sequence(x: Array, axis_name: str = CONTEXT) -> Array:
 
 def mla_attention_context_parallel(
     q: Array, k: Array, v: Array, *, scale: float, segment_ids: Array | None = None,
-    axis_name: str = CONTEXT) -> tuple[Array, Array]:
+    axis_name: str = CONTEXT, length: int | None = None) -> tuple[Array, Array]:
   """Causal softmax attention with queries sharded and keys/values gathered; inside shard_map.
 
   Args:
     q: [B, T_l, H, Dk] local queries; k: [B, T_l, H, Dk], v: [B, T_l, H, Dv] local keys
       and values (gathered here; gather the latents instead and expand after, to move
       kv_rank+rope numbers per token rather than H·(Dk+Dv)); segment_ids [B, T_l] or None.
+    length: global positions ≥ `length` are padding: their queries are left out of
+      `max_logit` (their keys come after every real query, so the causal mask already hides
+      them). None: no padding.
   Returns (o [B, T_l, H, Dv] fp32 (spec §4: attention output in fp32), max_logit [H]: the
   largest unmasked logit per head over this shard's batch rows and the whole sequence).
   """
@@ -218,8 +224,10 @@ def mla_attention_context_parallel(
   logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kg.astype(jnp.float32),
                       precision="highest") * scale
   logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  stat = logits if length is None else jnp.where(
+      (qpos < length)[None, None, :, None], logits, -jnp.inf)
   # A statistic for QK-Clip, never differentiated (pmax has no transpose rule).
-  max_logit = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=(0, 2, 3))), axis_name)
+  max_logit = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(stat, axis=(0, 2, 3))), axis_name)
   probs = jax.nn.softmax(logits, axis=-1)
   o = jnp.einsum("bhqk,bkhd->bqhd", probs, vg.astype(jnp.float32), precision="highest")
   return o, max_logit
@@ -269,26 +277,37 @@ def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
   """`attn_fn(q, k, v, *, scale, segment_ids=None, query_block=None) → (o, max_logit [H])`
   (ops.mla_attention) itself, or — when the active mesh has context > 1 — the same attention
   with queries sharded over the sequence and keys/values all-gathered
-  (`mla_attention_context_parallel`); the max logit is reduced over every shard."""
+  (`mla_attention_context_parallel`); the max logit is reduced over every shard. A length T
+  that the context axis does not divide is padded at the end to the next multiple (zeros; the
+  last segment id repeated, so that padded queries attend to something) and the output sliced
+  back to T: the real positions' outputs and the max logit are those of the unpadded call."""
   mesh = sharding.active_mesh()
-  if sharding.axis_size(mesh, CONTEXT) <= 1:
+  n = sharding.axis_size(mesh, CONTEXT)
+  if n <= 1:
     return attn_fn
   bt = P(sharding.BATCH_AXES, CONTEXT, "tensor")
   seg_spec = P(sharding.BATCH_AXES, CONTEXT)
   batch_axes = tuple(a for a in sharding.BATCH_AXES if sharding.axis_size(mesh, a) > 1)
 
-  def body(q, k, v, *seg, scale):
-    o, m = mla_attention_context_parallel(q, k, v, scale=scale, segment_ids=_segments(seg))
+  def body(q, k, v, *seg, scale, length):
+    o, m = mla_attention_context_parallel(q, k, v, scale=scale, segment_ids=_segments(seg),
+                                          length=length)
     return o, (jax.lax.pmax(m, batch_axes) if batch_axes else m)
 
   def run(q, k, v, *, scale=None, segment_ids=None, query_block=None):
     del query_block  # each shard already holds only T / context queries
-    _check_divisible(mesh, q.shape[1], "MLA q")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    t = q.shape[1]
+    pad = -t % n
+    if pad:
+      q, k, v = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) for a in (q, k, v))
+      if segment_ids is not None:
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
     args, specs = _with_segments((q, k, v), (bt, bt, bt), segment_ids, seg_spec)
-    fn = jax.shard_map(functools.partial(body, scale=scale), mesh=mesh, in_specs=specs,
-                       out_specs=(bt, P("tensor")), check_vma=False)
-    return fn(*args)
+    fn = jax.shard_map(functools.partial(body, scale=scale, length=t if pad else None),
+                       mesh=mesh, in_specs=specs, out_specs=(bt, P("tensor")), check_vma=False)
+    o, max_logit = fn(*args)
+    return (o[:, :t] if pad else o), max_logit
 
   return run
 

@@ -15,6 +15,11 @@ Pairs over capacity are dropped (rank inside an expert counted per source device
 and counted: `dropped` is summed over every token axis. The shared experts and W_down/W_up never
 enter here: they are token-local and run data-parallel outside. `psum_histogram` sums the
 Quantile Balancing margin histograms of all token shards with one integer all-reduce.
+
+A token count the token shards do not divide (the MTP layer's B·(T−1) tokens under a context
+axis) is padded at the end with zero rows of weight 0, each routed to k distinct experts (so
+dropless stays dropless). They come after every real token, so no capacity rank puts one ahead
+of a real token, and they are left out of `dropped`; their outputs are sliced off.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def _dispatch(x: Array, indices: Array, num_experts: int, cap: int):
 def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w2: Array,
                      *, num_experts: int, activation: str = "situ", beta1: float = 4.0,
                      beta2: float = 25.0, capacity_factor: float | None = None,
-                     capacity: int | None = None,
+                     capacity: int | None = None, valid: Array | None = None,
                      axis_name: str = EXPERT) -> tuple[Array, Array]:
   """The expert-parallel routed MLP on one device's tokens; call inside shard_map.
 
@@ -64,9 +69,10 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
     w1, w3: [E/ep, D, F]; w2: [E/ep, F, D]: this device's experts (experts e·E/ep … on shard e).
     capacity_factor: rows per (source device, expert) = ceil(cf · N · k / E); None = dropless.
     capacity: explicit rows per (source device, expert), overriding `capacity_factor`.
+    valid: [N] bool, False on padding rows (not counted in `dropped`); None: all rows real.
   Returns:
     y [N, D] in x.dtype (Σ_j weights_ij · E_{indices_ij}(x_i), dropped pairs contribute 0),
-    dropped: int32 pairs over capacity on this device (not yet summed over devices).
+    dropped: int32 real pairs over capacity on this device (not yet summed over devices).
   """
   n, d = x.shape
   k = indices.shape[1]
@@ -93,7 +99,10 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
   out = out.reshape(num_experts * cap, d)
   wk = jnp.where(keep.reshape(n, k), weights.astype(jnp.float32), 0.0)
   y = jnp.sum(moe_ops.weighted_rows(wk[..., None], out[slot].reshape(n, k, d)), axis=1)
-  return y.astype(cdt), jnp.sum(~keep).astype(jnp.int32)
+  lost = ~keep.reshape(n, k)
+  if valid is not None:
+    lost = lost & valid[:, None]
+  return y.astype(cdt), jnp.sum(lost).astype(jnp.int32)
 
 
 def _token_spec(ndim_lead: int, mesh) -> P:
@@ -107,12 +116,14 @@ def _token_spec(ndim_lead: int, mesh) -> P:
 def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3: Array,
                   w2: Array, *, activation: str = "situ", beta1: float = 4.0,
                   beta2: float = 25.0, capacity_factor: float | None = None,
-                  capacity: int | None = None) -> tuple[Array, Array]:
+                  capacity: int | None = None,
+                  num_valid: int | None = None) -> tuple[Array, Array]:
   """`ops.moe.expert_mlp` with experts sharded over `expert` (global arrays in and out).
 
   x: [B, T, D] (batch over data/fsdp/expert, T over context) or [N, D] (N over all of them);
   weights/indices: the same leading dims + [k]; w1, w3 [E, D, F], w2 [E, F, D] (E over expert).
   `capacity` (rows per expert and source device) overrides `capacity_factor`.
+  `num_valid` ([N, D] x only): rows from `num_valid` on are padding, left out of `dropped`.
   Returns (y like x, dropped: int32 total over all devices). With `capacity_factor=None` (or
   large enough) it equals the unsharded `expert_mlp` up to float summation order.
   """
@@ -123,16 +134,22 @@ def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3:
   lead = x.ndim - 1
   if lead not in (1, 2):
     raise ValueError(f"x: expected [N, D] or [B, T, D], found shape {x.shape}")
+  if num_valid is not None and lead != 1:
+    raise ValueError(f"num_valid: only for x [N, D], found shape {x.shape}")
   tok = _token_spec(lead, mesh)
   wspec = P(EXPERT)
   sum_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
 
   def body(x_, w_, i_, w1_, w3_, w2_):
     shp = x_.shape
+    valid = None
+    if num_valid is not None:   # this shard holds global rows first … first + N_l − 1
+      first = jax.lax.axis_index(sum_axes) * shp[0]
+      valid = first + jnp.arange(shp[0]) < num_valid
     y, dropped = expert_mlp_local(
         x_.reshape(-1, shp[-1]), w_.reshape(-1, w_.shape[-1]), i_.reshape(-1, i_.shape[-1]),
         w1_, w3_, w2_, num_experts=num_experts, activation=activation, beta1=beta1,
-        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity)
+        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity, valid=valid)
     return y.reshape(shp), jax.lax.psum(dropped, sum_axes)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
@@ -164,7 +181,8 @@ def maybe_expert_parallel(expert_mlp_fn: Callable) -> Callable:
 
   The global `capacity` (rows per expert for all N tokens, or None = dropless) becomes
   ceil(capacity · N_local / N) rows per expert and source device; `method` is ignored (the
-  local experts run as batched dense einsums over the static [E/ep, ep·C, D] buffer).
+  local experts run as batched dense einsums over the static [E/ep, ep·C, D] buffer). N that
+  the token shards do not divide is padded (module docstring) and y sliced back to N rows.
   """
   mesh = sharding.active_mesh()
   ep = sharding.axis_size(mesh, EXPERT)
@@ -178,12 +196,18 @@ def maybe_expert_parallel(expert_mlp_fn: Callable) -> Callable:
       raise ValueError(f"w1: {w1.shape[0]} experts are not divisible by the expert axis "
                        f"size {ep}")
     shards = sharding.axis_size(mesh, TOKEN_AXES)
-    if x.shape[0] % shards:
-      raise ValueError(f"x: {x.shape[0]} tokens are not divisible by the {shards} token "
-                       "shards (data·fsdp·expert·context)")
     local_cap = None if capacity is None else -(-capacity // shards)
-    return expert_mlp_ep(mesh, x, weights, indices, w1, w3, w2, activation=activation,
-                         beta1=beta1, beta2=beta2, capacity=local_cap)
+    n, k = indices.shape
+    pad = -n % shards
+    if pad:
+      x = jnp.pad(x, ((0, pad), (0, 0)))
+      weights = jnp.pad(weights, ((0, pad), (0, 0)))
+      indices = jnp.concatenate(
+          [indices, jnp.broadcast_to(jnp.arange(k, dtype=indices.dtype), (pad, k))])
+    y, dropped = expert_mlp_ep(mesh, x, weights, indices, w1, w3, w2, activation=activation,
+                               beta1=beta1, beta2=beta2, capacity=local_cap,
+                               num_valid=n if pad else None)
+    return (y[:n] if pad else y), dropped
 
   return run
 

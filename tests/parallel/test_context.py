@@ -174,6 +174,43 @@ def test_mla_attention_gathers_keys_with_global_causal_mask():
   np.testing.assert_allclose(jnp.max(max_logit.reshape(2, h), 0), ref_max, rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_segments", [False, True])
+def test_mla_attention_pads_a_length_the_context_axis_does_not_divide(with_segments):
+  # T − 1 = 31 positions on context=4 (the MTP layer's case): padded to 32 inside, outputs,
+  # max logit and gradients equal the unsharded op on the 31 real positions.
+  t = T - 1
+  ks = jax.random.split(jax.random.key(5), 4)
+  q = jax.random.normal(ks[0], (B, t, H, 6))
+  k = jax.random.normal(ks[1], (B, t, H, 6))
+  v = jax.random.normal(ks[2], (B, t, H, 5))
+  seg = None
+  if with_segments:
+    seg = np.zeros((B, t), np.int32)
+    seg[1, 20:] = 1   # the last document of row 1 runs into the padding
+    seg = jnp.asarray(seg)
+  mesh = _mesh()
+  with sharding.activate(mesh):
+    attn = cp.maybe_context_parallel_attention(mla_ops.mla_attention)
+
+  def loss(fn, q, k, v):
+    o, m = fn(q, k, v, scale=0.4, segment_ids=seg)
+    return jnp.sum(jnp.sin(o)), (o, m)
+
+  grad = lambda fn: jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2), has_aux=True)  # noqa: E731
+  g, (o, m) = jax.jit(grad(attn))(q, k, v)
+  g_ref, (o_ref, m_ref) = grad(mla_ops.mla_attention)(q, k, v)
+  assert o.shape == (B, t, H, 5) and o.dtype == jnp.float32
+  np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+  # Padded queries (zeros: logit 0) are left out: every head's max logit here is negative.
+  m_neg, m_neg_ref = (fn(-jnp.abs(q), jnp.abs(k), v, scale=0.4, segment_ids=seg)[1]
+                      for fn in (jax.jit(attn), mla_ops.mla_attention))
+  assert np.all(np.asarray(m_neg_ref) < 0)
+  np.testing.assert_allclose(m_neg, m_neg_ref, rtol=1e-5)
+  np.testing.assert_allclose(m, m_ref, rtol=1e-5)
+  for a, b_ in zip(g, g_ref):
+    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
+
+
 def test_from_previous_shard_shifts_by_one_shard():
   mesh = _mesh()
   x = jnp.arange(8.0).reshape(2, 4)   # [data, context]

@@ -81,6 +81,39 @@ def test_ep_counts_drops_per_source_device():
   np.testing.assert_allclose(y.reshape(-1, D), jnp.concatenate(ys), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("capacity", [None, 8])
+def test_maybe_expert_parallel_pads_a_token_count_the_shards_do_not_divide(capacity):
+  # 30 tokens over 8 token shards (data·context·expert, the MTP layer's B·(T−1) case): padded
+  # to 32 inside. Dropless, it equals the unsharded op; with a capacity (global 8 → 1 row per
+  # expert and source device), each device's real tokens are served as by the unsharded op on
+  # them alone, and the padding (2 rows, both routed to experts 0 and 1, so the second one
+  # overflows them) is never counted dropped.
+  n = 30
+  x, w, idx, w1, w3, w2 = _inputs(4, skew=1.5 if capacity else 0.0)
+  x, w, idx = x.reshape(-1, D)[:n], w.reshape(-1, K)[:n], idx.reshape(-1, K)[:n]
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, context=2, expert=2))
+  with sharding.activate(mesh):
+    fn = ep_lib.maybe_expert_parallel(moe_ops.expert_mlp)
+  y, dropped = jax.jit(lambda *a: fn(*a, capacity=capacity))(x, w, idx, w1, w3, w2)
+  assert y.shape == (n, D)
+  if capacity is None:
+    y_ref, d_ref = moe_ops.expert_mlp(x, w, idx, w1, w3, w2, method="reference")
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    assert int(dropped) == int(d_ref) == 0
+    return
+  n_local = 4   # 32 rows / 8 shards; the last shard holds 2 real rows and the 2 padding rows
+  ys, total = [], 0
+  for dev in range(8):
+    sl = slice(dev * n_local, min((dev + 1) * n_local, n))
+    yi, di = moe_ops.expert_mlp(x[sl], w[sl], idx[sl], w1, w3, w2, capacity=1,
+                                method="reference")
+    ys.append(yi)
+    total += int(di)
+  assert total > 0
+  assert int(dropped) == total
+  np.testing.assert_allclose(y, jnp.concatenate(ys), rtol=1e-5, atol=1e-6)
+
+
 def test_histogram_summed_over_token_axes():
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, context=2, expert=2))
   vals = jax.random.randint(jax.random.key(3), (B, T, E), 0, 10)

@@ -1,10 +1,12 @@
 """The whole model on meshes of 8 simulated CPU devices equals the single-device run:
-forward logits, and one training step's loss and updated params (fp32, ≤ 1e-5 relative).
+forward logits and MTP logits, and one training step's loss and updated params (fp32, ≤ 1e-5
+relative).
 
 A small hybrid (mla_every=2, 5 layers: KDA+dense, MLA, then one *scanned* group [KDA, MLA],
-final MLA; AttnRes blocks of 2; 8 experts top-2, dropless) keeps compilation short. The step
-is plain SGD on the cross-entropy, so "updated params equal" checks the sharded gradients
-directly (Adam's first step, g/|g|, would turn float noise on near-zero gradients into ±lr).
+final MLA; AttnRes blocks of 2; 8 experts top-2, dropless; the MTP layer) keeps compilation
+short. The step is plain SGD on the cross-entropy plus the weighted MTP cross-entropy, so
+"updated params equal" checks the sharded gradients directly (Adam's first step, g/|g|, would
+turn float noise on near-zero gradients into ±lr).
 The trainer's own step with the mesh (Muon, QB) runs in tests/parallel/test_multihost.py.
 """
 
@@ -23,12 +25,13 @@ from k3jax.train.step import cross_entropy
 
 B, T = 8, 16
 LR = 0.5
+MTP_WEIGHT = 0.3
 MESHES = [dict(data=1, expert=8), dict(data=2, expert=4), dict(data=1, fsdp=2, context=4),
           dict(data=2, context=2, expert=2)]
 
 
 def _config():
-  return preset("tiny", num_layers=5, mla_every=2, attn_res_block_size=2, num_mtp_layers=0)
+  return preset("tiny", num_layers=5, mla_every=2, attn_res_block_size=2, num_mtp_layers=1)
 
 
 def _batch():
@@ -40,15 +43,20 @@ def _batch():
 
 
 def _step(config, variables, batch):
-  """(params after one SGD step, loss, logits)."""
+  """(params after one SGD step, loss, logits, MTP logits [B, T−1, vocab])."""
   def loss_fn(params):
-    logits = K3Model(config).apply({"params": params, "balance": variables["balance"]},
-                                   batch["inputs"], segment_ids=batch["segment_ids"])
+    logits, mtp_logits = K3Model(config).apply(
+        {"params": params, "balance": variables["balance"]}, batch["inputs"],
+        segment_ids=batch["segment_ids"], return_mtp=True)
     s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-    return s / n, logits
+    s2, n2 = cross_entropy(mtp_logits, batch["mtp_targets"][:, :T - 1],
+                           batch["mtp_mask"][:, :T - 1])
+    return s / n + MTP_WEIGHT * s2 / n2, (logits, mtp_logits)
 
-  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables["params"])
-  return jax.tree.map(lambda p, g: p - LR * g, variables["params"], grads), loss, logits
+  (loss, (logits, mtp_logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      variables["params"])
+  params = jax.tree.map(lambda p, g: p - LR * g, variables["params"], grads)
+  return params, loss, logits, mtp_logits
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +82,7 @@ def _close(a, b, what):
 @pytest.mark.parametrize("mesh_cfg", MESHES,
                          ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items() if v > 1))
 def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
-  config, boxed, variables, batch, (ref_params, ref_loss, ref_logits) = _setup()
+  config, boxed, variables, batch, (ref_params, ref_loss, ref_logits, ref_mtp) = _setup()
   mesh = sharding.make_mesh(sharding.MeshConfig(**mesh_cfg))
   sharding.check_shapes(config, mesh, batch_size=B, seq_len=T)
   var_sh = sharding.param_shardings(mesh, {c: boxed[c] for c in ("params", "balance")})
@@ -85,14 +93,16 @@ def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
       return _step(config, v, b)
 
   fn = jax.jit(step, in_shardings=(var_sh, b_sh),
-               out_shardings=(var_sh["params"], None, sharding.batch_sharding(mesh, 3)))
+               out_shardings=(var_sh["params"], None, sharding.batch_sharding(mesh, 3), None))
   # The layers took the hand-written parallel paths (k3jax/layers/backend.py hooks).
   jaxpr = str(jax.make_jaxpr(step)(variables, batch))
   assert ("all_to_all" in jaxpr) == (mesh.shape["expert"] > 1)
   assert ("ppermute" in jaxpr) == (mesh.shape["context"] > 1)      # KDA state, conv halo
   assert ("pmax" in jaxpr) == (mesh.shape["context"] > 1)          # MLA's max logit over shards
-  params, loss, logits = fn(sharding.put_batch(variables, var_sh), batch)
+  params, loss, logits, mtp_logits = fn(sharding.put_batch(variables, var_sh), batch)
   _close(logits, ref_logits, "logits")
+  assert mtp_logits.shape == (B, T - 1, config.vocab_size)
+  _close(mtp_logits, ref_mtp, "mtp_logits")
   _close(loss, ref_loss, "loss")
   flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
   for (path, a), b in zip(flat, jax.tree_util.tree_leaves(ref_params)):
