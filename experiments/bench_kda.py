@@ -14,6 +14,7 @@ Usage:
   .venv/bin/python experiments/bench_kda.py --quick
   .venv/bin/python experiments/bench_kda.py --json --out /tmp/bench_kda.json
   .venv/bin/python experiments/bench_kda.py --sizes 4096x4x64,16384x8x128 --impls chunked
+  .venv/bin/python experiments/bench_kda.py --impls chunked,chunked_packed   # packing's cost
   .venv/bin/python experiments/bench_kda.py --gpu_suite --json        # on an accelerator
   --backend=pallas swaps kda_chunked for pallas_kernels.kda_chunk.kda_chunked_pallas.
 
@@ -56,8 +57,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_enum("backend", "xla", ["xla", "pallas"],
                     "implementation behind the 'chunked' rows", **fv)
   flags.DEFINE_string("impls", DEFAULT_IMPLS, "subset of chunked,recurrent,torch_chunk,"
-                      "fla_naive,fla_chunk,pallas", **fv)
+                      "fla_naive,fla_chunk,pallas,chunked_packed", **fv)
   flags.DEFINE_integer("batch", 1, "batch size B", **fv)
+  flags.DEFINE_integer("doc_len", 1000, "document length of the chunked_packed impl (T cut "
+                       "into documents of this many tokens, boundaries mid-tile)", **fv)
   flags.DEFINE_integer("chunk_size", 64, "chunk size of the chunked forms", **fv)
   flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                     "input dtype (default float32; bfloat16 in --gpu_suite)", **fv)
@@ -124,7 +127,7 @@ def _median_time(fn, repeats):
 # ----------------------------------------------------------------------------- JAX
 
 
-def _jax_impl(name, backend, chunk_size):
+def _jax_impl(name, backend, chunk_size, doc_len=None):
   from k3jax.ops import kda
   if name == "recurrent":
     return kda.kda_recurrent
@@ -138,6 +141,14 @@ def _jax_impl(name, backend, chunk_size):
           f"({type(e).__name__}: {e}); use --backend=xla")
     return lambda *a, **kw: fn(*a, chunk_size=chunk_size, **kw)
   # The inputs come from the bounded gate (g > −5), and the K3 layer passes that bound too.
+  if name == "chunked_packed":   # documents of doc_len tokens, as packed training rows hold
+    import jax.numpy as jnp
+
+    def packed(q, *a, **kw):
+      seg = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) // doc_len, q.shape[:2])
+      return kda.kda_chunked(q, *a, chunk_size=chunk_size, lower_bound=-5.0, segment_ids=seg,
+                             **kw)
+    return packed
   return lambda *a, **kw: kda.kda_chunked(*a, chunk_size=chunk_size, lower_bound=-5.0, **kw)
 
 
@@ -285,9 +296,9 @@ def run(args):
     for name in impls:
       row = dict(impl=name, T=t, H=h, K=d, V=d, B=args.batch, dtype=dtype,
                  backend=(args.backend if name == "chunked" else None))
-      if name in ("chunked", "recurrent", "pallas"):
+      if name in ("chunked", "recurrent", "pallas", "chunked_packed"):
         try:
-          fn = _jax_impl(name, args.backend, args.chunk_size)
+          fn = _jax_impl(name, args.backend, args.chunk_size, args.doc_len)
         except SystemExit as e:
           if name == "chunked":
             raise
@@ -309,7 +320,7 @@ def run(args):
         row[f"{key}_tokens_per_s"] = None if s is None else tokens / s
       if name == "chunked" and out is not None:
         ref_out = out
-      if out is not None and ref_out is not None:
+      if out is not None and ref_out is not None and name != "chunked_packed":
         row["max_abs_err_vs_chunked"] = float(np.max(np.abs(out - ref_out)))
       rows.append(row)
       print(f"  {name:12s} T={t:6d} H={h:3d} K={d:4d}  fwd {_fmt_rate(tokens, row.get('fwd_s')):>12s}"

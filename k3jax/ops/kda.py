@@ -13,6 +13,13 @@ q and k). g is a log-decay: it is expected to be ≤ 0 (what `kda_gate` returns)
 Document packing (`segment_ids` `[B,T]` int): where `segment_ids[:, t] != segment_ids[:, t-1]`
 the state is reset to zero before token t is processed, so tokens never see other documents.
 `initial_state` applies to the first segment only. The final state is that of the last segment.
+The isolation is bitwise: a document's outputs and the gradients of its inputs do not depend,
+not even by rounding, on what the other documents hold. The recurrence resets with a `where`;
+the chunked form restarts its in-tile cumulative gate sums at segment starts and takes each
+segment's own reference point (below), so another document's values enter a document's
+arithmetic only as exact zeros of the masks; packed inputs without a promised `lower_bound`
+always take the pairwise diagonal form (a `lax.cond` on all gates would let one document pick
+another's arithmetic).
 
 Dtypes: every computation runs in fp32 (decays, states, matmuls); `o` is returned in q's dtype
 (so bf16 in, bf16 out) and the final state is always fp32.
@@ -43,9 +50,13 @@ Decay factors (every exp is bounded; nothing can overflow, for bounded *and* unb
     exp(G_t − G_i) formed pairwise, for t ≥ i only (masked), from the tile-local prefix sums,
     then contracted over channels (`_diag_scores`, hand-written backward); no exponent > 0;
   * Γ_t = exp(G_t) and exp(G_C − G_i) are direct sums, ≤ 1.
+  * packed rows: the in-tile prefix sums run over the token's own segment only (restarting at
+    its start), and the fast form's reference point is per segment — token j's is its own
+    segment's gate sum over tile a's first half (0 if the segment is not there) — so a pair
+    (t, i) of one segment shares it, and the bounds above hold for every pair.
 The choice is static when the caller promises `lower_bound` ≥ −5 (the layers pass the
-config's bound), otherwise one `lax.cond` on the inputs around the whole computation (both forms
-are compiled). A scan step handles `_GROUP_TOKENS` tokens: the state-independent work of its chunks
+config's bound) or when the rows are packed (pairwise), otherwise one `lax.cond` on the inputs
+around the whole computation (both forms are compiled). A scan step handles `_GROUP_TOKENS` tokens: the state-independent work of its chunks
 is vectorised (`_intra`, with the UT transform as an explicit matrix T, `_ut_matrix`), then an
 inner scan passes the state through them (`_state_pass`: only U and the state recurrence are
 sequential, the outputs and most of the backward are batched matmuls); the step is
@@ -286,13 +297,23 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
   """
   *lead, c, dk = k.shape
   nt = c // tile
+  half = max(tile // 2, 1)
   mk = _tile_masks(nt)
   tiles = lambda x: x.reshape(*x.shape[:-2], nt, tile, x.shape[-1])
   qt, kt, gt = tiles(q), tiles(k), tiles(g)                        # [...,nt,ts,K]
+  same = None if packed_masks is None else packed_masks[0]
 
-  # Direct sums of g (all ≤ 0, so no cancellation and every exp ≤ 1):
-  pre = jnp.cumsum(gt, axis=-2)                                    # Σ_{start(a)≤s≤t}
-  tot = pre[..., -1, :]                                            # [...,nt,K] tile totals
+  # Direct sums of g (all ≤ 0, so no cancellation and every exp ≤ 1). Packed, the in-tile
+  # prefix sums restart where a segment starts: a token's sums then hold only its own
+  # document's gates, so no other document's values enter its arithmetic (bitwise isolation).
+  if same is None:
+    pre = jnp.cumsum(gt, axis=-2)                                  # Σ_{start(a)≤s≤t}
+  else:
+    same_tiles = _diag_blocks(same.reshape(*same.shape[:-2], nt, tile, nt, tile))  # [...,a,t,s]
+    pre = _masked_tile_sums(same_tiles * jnp.tri(tile, dtype=same.dtype), gt)  # Σ_{…, seg(s)=seg(t)}
+  # Tile totals [...,nt,K] (packed: the tile's last segment's; they enter only pairs whose
+  # segment covers whole tiles, where the two agree).
+  tot = pre[..., -1, :]
   suf = jnp.concatenate(                                           # Σ_{i<s≤end(b)}
       [lax.cumsum(gt, axis=gt.ndim - 2, reverse=True)[..., 1:, :],
        jnp.zeros_like(gt[..., :1, :])], -2)
@@ -313,17 +334,30 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
   # the tile start (ref_a = 0, row factors ≤ 1) and the diagonal tile is pairwise.
   # (A loop over the nt row tiles: the equivalent [a, b, i, K] broadcast product made the
   # backward pass ~10x slower on XLA:CPU, its reductions running over non-minor axes.)
-  ref = pre[..., max(tile // 2, 1) - 1, :] if fast else jnp.zeros_like(tot)  # [...,a,K]
+  # Packed (fast form), the reference point is per segment: row t's is the sum of its own
+  # segment's gates over tile a's first half, ref[a, t] (0 when its segment is not there), so
+  # a pair in one segment shares it and no other segment's gates enter either factor.
+  # Columns of earlier tiles pair with tile a's rows only when their segment reaches tile a,
+  # i.e. is the segment of tile a's first token: they take that token's reference point (the
+  # others' pairs are masked; any finite factor ≤ 1 serves them).
+  if fast and same is not None:
+    ref = _masked_tile_sums(same_tiles * (jnp.arange(tile) < half), gt)  # [...,a,ts,K]
+    ref_rows = lambda a: ref[..., a, :, :]                         # [...,ts,K]
+    ref_cols = lambda a: ref[..., a, None, :1, :]                  # [...,1,1,K]
+  else:
+    ref = pre[..., half - 1, :] if fast else jnp.zeros_like(tot)   # [...,a,K]
+    ref_rows = lambda a: ref[..., a, None, :]                      # [...,1,K]
+    ref_cols = lambda a: ref[..., a, None, None, :]                # [...,1,1,K]
   if not fast:
     a_diag, p_diag = _diag_scores(pre, kt, qt)                     # [...,a,ts,ts] each
   a_rows, p_rows = [], []
   for a in range(nt):
-    ref_a = ref[..., a, None, :]                                   # [...,1,K]
+    ref_a = ref_rows(a)
     row = jnp.exp(pre[..., a, :, :] - ref_a)
     cols = []
     if a:
-      colfac = jnp.exp(suf[..., :a, :, :]
-                       + (jnp.minimum(between[..., a, :a, :], 0.0) + ref_a)[..., :, None, :])
+      colfac = jnp.exp(suf[..., :a, :, :] + jnp.minimum(between[..., a, :a, :], 0.0)[..., None, :]
+                       + ref_cols(a))
       cols.append((kt[..., :a, :, :] * colfac).reshape(*lead, a * tile, dk))
     if fast:
       cols.append(kt[..., a, :, :] * jnp.exp(ref_a - pre[..., a, :, :]))
@@ -345,7 +379,7 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
   k_gamma = k * gamma
   q_gamma = q * gamma
   if packed_masks is not None:
-    same, m, f = packed_masks
+    _, m, f = packed_masks
     a_mat = a_mat * same
     p_mat = p_mat * same
     k_gamma = k_gamma * m
@@ -360,6 +394,13 @@ def _intra(q, k, v, g, beta, packed_masks, *, tile: int, fast: bool):
               w_k=jnp.einsum("...ti,...ik->...tk", t_mat, k_gamma),
               q_gamma=q_gamma, p_mat=p_mat, k_last=k_last, decay=decay)
 
+
+
+def _masked_tile_sums(mask, gt):
+  """Σ_s mask[..., a, t, s] · gt[..., a, s, :] → [...,a,ts,K]: per-token sums of g over a 0/1
+  set of its tile's tokens. Tokens outside the set enter only as exact zeros (bitwise
+  isolation of packed documents); HIGHEST keeps the fp32 gates fp32 on TPU."""
+  return jnp.einsum("...ats,...ask->...atk", mask, gt, precision=lax.Precision.HIGHEST)
 
 
 def _diag_decay(pre):
@@ -572,7 +613,8 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
     segment_ids: `[B,T]` int or None; the state resets to zero where the id changes.
     lower_bound: None, or the caller's promise that g ≥ lower_bound everywhere (the bounded
       gate's −5, spec §3). With lower_bound ≥ −5 the dense diagonal-tile form is chosen at
-      trace time; otherwise it is chosen by one `lax.cond` on g (module docstring).
+      trace time; otherwise, packed, the pairwise form, and unpacked, one `lax.cond` on g
+      (module docstring).
 
   Returns:
     (o `[B,T,H,V]` in q's dtype, final_state `[B,H,K,V]` float32).
@@ -599,6 +641,10 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
   # body, or on the grouped arrays, much slower; the cond itself still costs 10–30%).
   if lower_bound is not None and lower_bound * max(half, tile - half) >= _FAST_MIN_TILE_DECAY:
     return impl(True, *args)
+  if segment_ids is not None:
+    # A cond on every document's gates would let one document choose another's arithmetic:
+    # packed rows without a promised bound always take the pairwise form.
+    return impl(False, *args)
   n_pad = -(-t // tile) * tile - t
   g_pad = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, n_pad), (0, 0), (0, 0)))
   g_tiles = g_pad.reshape(b, -1, tile, h, dk)

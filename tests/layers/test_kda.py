@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from isolation import assert_isolated
 from k3jax.config import preset
 from k3jax.layers.kda import KDA, short_conv
 
@@ -112,6 +113,17 @@ def test_short_conv_taps_in_time_order():
   np.testing.assert_allclose(y, [1, 12, 123, 234, 345])
   seg = jnp.array([[0, 0, 1, 1, 1]])
   np.testing.assert_allclose(short_conv(x, kern, seg)[0, :, 0, 0], [1, 12, 3, 34, 345])
+
+
+def test_short_conv_packed_documents_are_bitwise_isolated():
+  """Taps that would reach into a previous document read an exact zero: the middle document's
+  outputs and input gradients are bit-for-bit the same whatever the other documents hold."""
+  rng = np.random.default_rng(4)
+  x, alt = (jnp.asarray(rng.normal(size=(2, 11, 2, 3)), jnp.float32) for _ in range(2))
+  kern = jnp.asarray(rng.normal(size=(4, 2, 3)), jnp.float32)
+  seg = np.array([[0] * 3 + [1] * 5 + [2] * 3, [0] * 11])
+  op = lambda x, kern: short_conv(x, kern, jnp.asarray(seg, jnp.int32))
+  assert_isolated(op, [x, kern], [alt, kern], seg == 1, per_token=[True, False])
 
 
 def test_bad_input():

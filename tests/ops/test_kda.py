@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
+from isolation import assert_isolated
 from k3jax.ops import kda
 
 F32_TOL = 1e-4  # max abs error relative to the output scale (issue 2)
@@ -238,6 +239,35 @@ def test_segment_ids_equal_separate_documents():
       start += n
     _assert_close(s_r[bi:bi + 1], s_d, name="recurrent final state = last document's")
     _assert_close(s_c[bi:bi + 1], s_d, name="chunked final state = last document's")
+
+
+# Row 0 holds three documents: the middle one starts mid-tile and ends mid-chunk (16-token
+# tiles), so its tiles and chunks are shared with both neighbours; row 1 is one document.
+_ISO_T = 70
+_ISO_SEG = np.array([[0] * 21 + [1] * 30 + [2] * 19, [5] * _ISO_T], np.int32)
+
+
+@pytest.mark.parametrize("fn,chunk,bounded,strong", [
+    ("chunked", 64, True, False),    # dense diagonal tiles (bound promised), per-segment refs
+    ("chunked", 32, False, True),    # no bound, strong decay: pairwise diagonal tiles
+    ("recurrent", None, False, False),
+])
+def test_packed_documents_are_bitwise_isolated(fn, chunk, bounded, strong):
+  """Every other document's inputs replaced: the middle document's outputs and the gradients
+  of its q, k, v, g, β are bit-for-bit unchanged (the cumulative gate sums restart at segment
+  starts; nothing of another segment enters its sums but exact zeros)."""
+  kw = dict(rate=1.0, bias=2.0) if strong else {}
+  q, k, v, g, beta, s0 = _inputs(11, 2, _ISO_T, 2, 16, 8, bounded=bounded, **kw)
+  alt = _inputs(12, 2, _ISO_T, 2, 16, 8, bounded=bounded, **kw)[:5]
+  seg = jnp.asarray(_ISO_SEG)
+  if fn == "chunked":
+    op = lambda *x: kda.kda_chunked(*x[:5], initial_state=x[5], segment_ids=seg, chunk_size=chunk,
+                                    lower_bound=-5.0 if bounded else None)[0]
+  else:
+    op = lambda *x: kda.kda_recurrent(*x[:5], initial_state=x[5], segment_ids=seg)[0]
+  doc = _ISO_SEG == 1
+  assert_isolated(op, [q, k, v, g, beta, s0], list(alt) + [s0], doc,
+                  per_token=[True] * 5 + [False])
 
 
 # ----------------------------------------------------------------------------- dtypes
