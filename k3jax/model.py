@@ -18,8 +18,14 @@ pre-norm residuals.
 
 MTP (one layer, DeepSeek-V3 style): position t combines hnorm(h_t) (the main model's final
 hidden state *before* the final norm) and enorm(embed(token t+1)) through eh_proj, runs one
-MLA+MoE decoder layer with plain residuals (segment ids of token t+1), a norm, and the shared
-lm_head: `mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding).
+MLA+MoE decoder layer with plain residuals (`mtp_document_ids`: a position whose two tokens
+lie in different documents is a document of its own), a norm, and the shared lm_head:
+`mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding).
+
+Packing: `segment_ids` become document indices (`document_ids`: a new document wherever the id
+changes), and a document's logits are bit-for-bit independent of the other documents (every
+layer masks with exact zeros; tests/test_model.py), with dropless MoE — with a capacity
+factor, the tokens of a batch compete for an expert's rows by design.
 
 Residual stream, norms' statistics, mixers, attention outputs and logits are fp32; matmuls
 run in `config.dtype`; params are fp32 masters with logical axes (docs/contracts.md).
@@ -179,6 +185,29 @@ def _check_tokens(tokens, vocab_size: int, segment_ids):
                      f"[{ids.min()}, {ids.max()}]")
 
 
+def document_ids(segment_ids):
+  """[B,T] int → the document index of each token: 0 for a row's first run of equal ids, +1
+  wherever the id changes. KDA resets its state where the id changes while MLA and the short
+  convolutions compare ids for equality; on document indices the two agree whatever ids the
+  caller used (an id that comes back later in the row starts a new document)."""
+  change = jnp.concatenate(
+      [jnp.zeros_like(segment_ids[:, :1]), (segment_ids[:, 1:] != segment_ids[:, :-1])
+       .astype(segment_ids.dtype)], axis=1)
+  return jnp.cumsum(change, axis=1).astype(jnp.int32)
+
+
+def mtp_document_ids(doc_ids):
+  """Document indices [B,T] → those of the T−1 MTP positions [B,T−1]. Position t reads h_t and
+  token t+1, so it belongs to the pair (document of t, document of t+1); a position whose two
+  tokens lie in different documents is a document of its own (it sees no other position, and
+  no position of either neighbour sees it). The pair changes between t−1 and t exactly when
+  the document changes at t or at t+1."""
+  change = doc_ids[:, 1:] != doc_ids[:, :-1]                      # [B,T−1]: at tokens 1..T−1
+  starts = change | jnp.pad(change[:, :-1], ((0, 0), (1, 0)))      # at t+1, or at t
+  starts = starts.at[:, 0].set(False)
+  return jnp.cumsum(starts, axis=1).astype(jnp.int32)
+
+
 class K3Model(nn.Module):
   """The language model. See the module docstring.
 
@@ -191,6 +220,8 @@ class K3Model(nn.Module):
   def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False):
     cfg = self.config
     _check_tokens(tokens, cfg.vocab_size, segment_ids)
+    if segment_ids is not None:
+      segment_ids = document_ids(segment_ids)
     if return_mtp and not cfg.num_mtp_layers:
       raise ValueError("K3Model: return_mtp=True needs config.num_mtp_layers=1, found 0")
     d, eps = cfg.d_model, cfg.rms_norm_eps
@@ -234,7 +265,7 @@ class K3Model(nn.Module):
     if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
       mtp = MTP(cfg, name="mtp")
       if return_mtp:
-        seg = None if segment_ids is None else segment_ids[:, 1:]
+        seg = None if segment_ids is None else mtp_document_ids(segment_ids)
         # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
         # T−1); the context-parallel attention and the expert dispatch pad them to a multiple
         # of their axes themselves (k3jax/parallel/): the results equal the single-device run.
@@ -267,4 +298,5 @@ def source_counts(config: ModelConfig) -> dict:
   return attn_res_source_counts(config.num_layers, config.attn_res_block_size)
 
 
-__all__ = ["K3Model", "DecoderLayer", "LayerGroup", "MTP", "layer_kinds", "source_counts"]
+__all__ = ["K3Model", "DecoderLayer", "LayerGroup", "MTP", "document_ids", "layer_kinds",
+           "mtp_document_ids", "source_counts"]

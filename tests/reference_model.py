@@ -339,11 +339,12 @@ def reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False):
     m = params["mtp"]
     mb = variables["balance"]["mtp"]["layer"]
     # Position t: the main model's hidden state h_t (before the final norm) and the embedding
-    # of token t+1; the layer runs under token t+1's segment ids.
+    # of token t+1. Its document is the pair (document of t, document of t+1): a position whose
+    # two tokens lie in different documents is a document of its own.
     x = np.concatenate([_rms(emb[:, 1:], _f64(m["enorm"]["weight"]), eps),
                         _rms(h[:, :-1], _f64(m["hnorm"]["weight"]), eps)], axis=-1)
     x = x @ _kernel(m, "eh_proj")
-    mtp_docs = np.stack([_documents(row) for row in seg[:, 1:]])
+    mtp_docs = np.stack([_documents(row) for row in docs[:, :-1] * (t_len + 1) + docs[:, 1:]])
     attn, ffn = _decoder_layer_fns(cfg, m["layer"], mb, MLA, MOE, mtp_docs, margins)
     x = x + attn(_rms(x, _f64(m["layer"]["input_layernorm"]["weight"]), eps))
     x = x + ffn(_rms(x, _f64(m["layer"]["post_attention_layernorm"]["weight"]), eps))
