@@ -15,6 +15,9 @@ and the layers take the expert-/context-parallel paths. --multihost calls
 jax.distributed.initialize (--coordinator_address/--num_processes/--process_id or the
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID variables): every process runs this
 same command, builds the same global batch and feeds only its own devices' slices.
+
+The terminal shows the progress bar, the per-step summary and warnings; absl's and orbax's
+INFO messages are hidden unless --verbosity=0 (absl's own flag) asks for them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
@@ -73,6 +77,9 @@ def mesh_jit_step(cfg):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    # absl's default (INFO) lets orbax and jax print ~125 lines around the progress bar.
+    absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("k3jax.train").setLevel(logging.INFO)
   if _KEEP_ALLOCS.value:  # before the first JAX computation starts XLA's threads
     from k3jax.runtime import keep_cpu_allocations
