@@ -56,8 +56,8 @@ Decay factors (every exp is bounded; nothing can overflow, for bounded *and* unb
     (t, i) of one segment shares it, and the bounds above hold for every pair.
 The choice is static when the caller promises `lower_bound` ≥ −5 (the layers pass the
 config's bound) or when the rows are packed (pairwise), otherwise one `lax.cond` on the inputs
-around the whole computation (both forms are compiled). A scan step handles `_GROUP_TOKENS` tokens: the state-independent work of its chunks
-is vectorised (`_intra`, with the UT transform as an explicit matrix T, `_ut_matrix`), then an
+around the whole computation (both forms are compiled). A scan step handles `_GROUP_TOKENS`
+tokens: the state-independent work of its chunks is vectorised (`_intra`, with the UT transform as an explicit matrix T, `_ut_matrix`), then an
 inner scan passes the state through them (`_state_pass`: only U and the state recurrence are
 sequential, the outputs and most of the backward are batched matmuls); the step is
 rematerialised in the backward pass.
