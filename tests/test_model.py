@@ -1,6 +1,6 @@
-"""K3Model: causality, bitwise isolation of packed documents, a document packed = alone,
-scan/unroll against the float64 reference (tests/reference_model.py), stats, layout, parameter
-tree, remat, bad input.
+"""K3Model: the float64 reference written from the spec (tests/reference_model.py), causality,
+bitwise isolation of packed documents, a document packed = alone, scan/unroll, stats, layout,
+parameter tree, remat, bad input.
 
 Compile time dominates on CPU, so every config gets ONE jitted forward (always with
 segment_ids and stats; all-zero segment ids are the unpacked case) reused by all tests, and
@@ -8,7 +8,9 @@ variables are filled from `jax.eval_shape(init)` with numpy (no init compile), e
 one test that checks `init` itself.
 """
 
+import ast
 import functools
+import pathlib
 import time
 
 import chex
@@ -91,6 +93,40 @@ def _rel_err(got, ref):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
+def test_model_matches_float64_reference(name):
+  """Packed, the jitted fp32 model = the float64 reference written from the spec alone, logits
+  and MTP logits within REL_TOL of max|ref|. Dropless top-k is discontinuous, so the smallest
+  gap between the k-th and (k+1)-th biased router score (every MoE layer, MTP included, every
+  token) must be far above fp32 rounding of the scores: no routing decision can flip."""
+  cfg, _, v, tok, fwd = setup(name)
+  mtp = bool(cfg.num_mtp_layers)
+  logits, mtp_logits = _split(fwd(v, tok, PACKED))
+  ref = reference_forward(cfg, v, tok, PACKED, mtp=mtp)
+  assert ref["min_route_margin"] > 1e-5, ref["min_route_margin"]
+  assert ref["logits"].shape == logits.shape == (B, T, cfg.vocab_size)
+  assert _rel_err(logits, ref["logits"]) <= REL_TOL
+  if mtp:
+    assert ref["mtp_logits"].shape == mtp_logits.shape == (B, T - 1, cfg.vocab_size)
+    assert _rel_err(mtp_logits, ref["mtp_logits"]) <= REL_TOL
+  else:
+    assert ref["mtp_logits"] is None
+
+
+def test_reference_uses_only_k3jax_config():
+  """The reference must stay independent of the implementation it checks."""
+  src = pathlib.Path(__file__).with_name("reference_model.py").read_text()
+  for node in ast.walk(ast.parse(src)):
+    if isinstance(node, ast.Import):
+      mods = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      mods = [node.module or ""]
+    else:
+      continue
+    for mod in mods:
+      assert not mod.startswith("k3jax") or mod == "k3jax.config", mod
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
 def test_causality(name):
   """A later token changed: the logits up to it move by no more than fp32 rounding (both runs
   are within REL_TOL of the float64 reference, whose prefix is exactly unchanged), and the
@@ -128,11 +164,14 @@ def _expert_weight(path) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _doc_grad_fn(name):
-  """jitted (params, tokens, seg, weights) → grads of Σ logits·ct·weights (weights [B,T])."""
-  cfg, model, v, _, _ = setup(name)
+def _loss_grad(name, remat=False):
+  """(ct, jitted grad): the gradient over params of Σ logits·ct·w + Σ mtp_logits·ct[:, 1:]·w_t·w_t+1
+  for `setup(name)`'s model (remat as asked); w [B,T] weights the positions (a document's own
+  loss, or all ones). Shared by the isolation and remat tests: one compile per program."""
+  cfg, _, v, _, _ = setup(name)
+  model = K3Model(cfg.replace(remat=remat))
   mtp = bool(cfg.num_mtp_layers)
-  ct = jax.random.normal(jax.random.key(1), (B, T, cfg.vocab_size))
+  ct = np.random.default_rng(1).normal(size=(B, T, cfg.vocab_size)).astype(np.float32)
 
   def loss(params, tok, seg, w):
     out = model.apply({**v, "params": params}, tok, segment_ids=seg, return_mtp=mtp)
@@ -142,7 +181,7 @@ def _doc_grad_fn(name):
       total = total + jnp.sum(mtp_logits * ct[:, 1:] * (w[:, :-1] * w[:, 1:])[..., None])
     return total
 
-  return jax.jit(jax.grad(loss))
+  return ct, jax.jit(jax.grad(loss))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
@@ -169,7 +208,7 @@ def test_documents_are_bitwise_isolated(name, packed):
   np.testing.assert_array_equal(np.asarray(got)[doc], np.asarray(base)[doc])
   assert np.abs(np.asarray(got)[others] - np.asarray(base)[others]).max() > 1e-2  # they did change
 
-  grad = _doc_grad_fn(name)
+  _, grad = _loss_grad(name)
   w = jnp.asarray(doc, jnp.float32)
   g0 = grad(v["params"], tok, seg, w)
   g1 = grad(v["params"], tok2, seg, w)
@@ -338,36 +377,28 @@ _GRAD_GROUPS = ("self_attn", "block_sparse_moe", "mlp", "_res", "mtp", "embed_to
 def test_remat_changes_nothing():
   """remat=True (scanned groups, unrolled prefix/suffix layers and the MTP layer recomputed in
   the backward): the same logits, MTP logits and sown stats bit for bit (without
-  differentiation remat is inert), and, differentiated, the same outputs and gradients as
-  remat=False within fp32 rounding: each program's directional derivatives along random
-  directions, one per parameter group, match central differences of the float64 reference
-  (a layer skipped or run twice is off by O(1))."""
-  cfg, model, v, tok, fwd = setup("tiny", num_layers=9)
-  assert cfg.stack_layout() == (4, 1, 1) and cfg.num_mtp_layers   # prefix, body, suffix, MTP
+  differentiation remat is inert), and, differentiated, gradients that agree with remat=False
+  within fp32 rounding: each program's directional derivatives along random directions, one
+  per parameter group, match central differences of the float64 reference (a layer skipped
+  or run twice is off by O(1))."""
+  cfg, model, v, tok, fwd = setup("tiny")
+  assert cfg.stack_layout() == (4, 2, 1) and cfg.num_mtp_layers   # prefix, body, suffix, MTP
   model_r = K3Model(cfg.replace(remat=True))
-  fwd_r = jax.jit(lambda v, t: model_r.apply(v, t, return_mtp=True, mutable=["stats"]))
-  chex.assert_trees_all_equal(fwd_r(v, tok), fwd(v, tok, None))
+  fwd_r = jax.jit(lambda v, t, s: model_r.apply(v, t, segment_ids=s, return_mtp=True,
+                                                mutable=["stats"]))   # the same program as fwd's
+  chex.assert_trees_all_equal(fwd_r(v, tok, UNPACKED), fwd(v, tok, UNPACKED))
 
+  ct, grad = _loss_grad("tiny")
+  _, grad_r = _loss_grad("tiny", remat=True)
+  ones = jnp.ones((B, T), jnp.float32)
+  grads = [g(v["params"], tok, UNPACKED, ones) for g in (grad, grad_r)]
+
+  def loss64(params):    # the same loss on the float64 reference (linear in the logits)
+    ref = reference_forward(cfg, {**v, "params": params}, tok, UNPACKED, mtp=True)
+    return float(np.sum(ref["logits"] * ct) + np.sum(ref["mtp_logits"] * ct[:, 1:]))
+
+  assert reference_forward(cfg, v, tok, UNPACKED, mtp=True)["min_route_margin"] > 1e-5
   rng = np.random.default_rng(5)
-  ct = rng.normal(size=(B, T, cfg.vocab_size))
-  ct_mtp = rng.normal(size=(B, T - 1, cfg.vocab_size))
-
-  def loss(m, params):   # linear in the outputs: its float64 value is exact from the reference
-    logits, mtp = m.apply({**v, "params": params}, tok, return_mtp=True)
-    return jnp.sum(logits * ct) + jnp.sum(mtp * ct_mtp), (logits, mtp)
-
-  def loss64(params):
-    ref = reference_forward(cfg, {**v, "params": params}, tok, mtp=True)
-    return float(np.sum(ref["logits"] * ct) + np.sum(ref["mtp_logits"] * ct_mtp))
-
-  grad = lambda m: jax.jit(jax.value_and_grad(lambda p: loss(m, p), has_aux=True))(v["params"])
-  (_, out0), g0 = grad(model)
-  (_, out1), g1 = grad(model_r)
-  ref = reference_forward(cfg, v, tok, mtp=True)
-  assert ref["min_route_margin"] > 1e-5
-  for got, r in zip((*out0, *out1), (ref["logits"], ref["mtp_logits"]) * 2):
-    assert _rel_err(got, r) <= REL_TOL
-
   p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), v["params"])
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(p64)]
   eps = 1e-6   # moves a router score by ~1e-6, far below the routing margin
@@ -378,7 +409,7 @@ def test_remat_changes_nothing():
     step = lambda sign: jax.tree.unflatten(jax.tree.structure(p64), [
         a + sign * eps * x for a, x in zip(jax.tree.leaves(p64), u)])
     fd = (loss64(step(1)) - loss64(step(-1))) / (2 * eps)
-    for g in (g0, g1):
+    for g in grads:
       terms = [np.asarray(a, np.float64) * x for a, x in zip(jax.tree.leaves(g), u)]
       dot, scale = sum(t.sum() for t in terms), sum(np.abs(t).sum() for t in terms)
       assert abs(dot - fd) <= REL_TOL * scale, (group, dot, fd, scale)
