@@ -200,11 +200,11 @@ def test_documents_are_bitwise_isolated(name, packed):
     doc[1] = True       # row 1; the other document is row 0
     others = ~doc
   tok2 = jnp.where(jnp.asarray(others), (tok + 1 + jnp.arange(T)) % cfg.vocab_size, tok)
-  base, got = fwd(v, tok, seg)[0], fwd(v, tok2, seg)[0]
-  if cfg.num_mtp_layers:   # mtp_logits[:, t] reads tokens t and t + 1
+  base, base_mtp = _split(fwd(v, tok, seg))
+  got, got_mtp = _split(fwd(v, tok2, seg))
+  if base_mtp is not None:   # mtp_logits[:, t] reads tokens t and t + 1
     mtp_doc = doc[:, :-1] & doc[:, 1:]
-    np.testing.assert_array_equal(np.asarray(got[1])[mtp_doc], np.asarray(base[1])[mtp_doc])
-    base, got = base[0], got[0]
+    np.testing.assert_array_equal(np.asarray(got_mtp)[mtp_doc], np.asarray(base_mtp)[mtp_doc])
   np.testing.assert_array_equal(np.asarray(got)[doc], np.asarray(base)[doc])
   assert np.abs(np.asarray(got)[others] - np.asarray(base)[others]).max() > 1e-2  # they did change
 
