@@ -15,6 +15,13 @@ Reports, on `small` (random init; timings do not depend on the weights):
      adds the MLPs), chunk by chunk with constant memory; peak RSS after each length and time per
      token (linear time ⇒ constant µs/token).
 Prints a table and one JSON line (also written to --json_out).
+
+  python -m experiments.bench_decode --k3_shaped --json_out=FILE
+
+measures instead the decode step of a K3-shaped stack with tiny widths (`tiny` with 93 layers,
+AttnRes blocks of 12, the first layer dense: K3's layout of 4 unrolled layers, 22 scanned
+groups and one suffix layer): the first call's seconds (trace + compile + one step), the
+median step afterwards, and their difference (compile seconds).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ _LONG_MLP = flags.DEFINE_bool("long_mlp", False, "Include the MLPs in the long p
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed decode steps per point.")
 _PREFILL = flags.DEFINE_integer("prefill_tokens", 2048, "Prompt length of the prefill figure.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
+_K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
+                               "Only the decode compile/step time of a 93-layer K3-shaped stack "
+                               "with tiny widths.")
 
 
 def _peak_rss_gb() -> float:
@@ -86,8 +96,36 @@ def _kda_caches(cfg, batch):
   return tuple(l for l in c.layers if isinstance(l, G.KDACache))
 
 
+def k3_shaped(steps: int) -> dict:
+  """Decode compile and step seconds of `tiny` widths in K3's 93-layer layout (batch 1)."""
+  from k3jax import generate as G
+  from k3jax.config import preset
+  cfg = preset("tiny", num_layers=93, attn_res_block_size=12, first_dense_layers=1)
+  v = _variables(cfg)
+  _, cache = G.prefill(cfg, v, np.ones((1, 8), np.int32), np.array([8]), max_len=64, chunk=8)
+  tok = np.array([1], np.int32)
+  t0 = time.perf_counter()
+  logits, _ = G.decode_step(cfg, v, cache, tok)
+  jax.block_until_ready(logits)
+  first = time.perf_counter() - t0
+  step = _time(lambda: G.decode_step(cfg, v, cache, tok)[0], steps)
+  return {"config": "tiny widths, 93 layers (K3 layout)", "layout": cfg.stack_layout(),
+          "backend": jax.default_backend(), "first_call_s": first, "step_ms": step * 1e3,
+          "compile_s": first - step}
+
+
 def main(argv):
   del argv
+  if _K3_SHAPED.value:
+    res = k3_shaped(_STEPS.value)
+    print(f"K3-shaped decode: first call {res['first_call_s']:.1f} s, step "
+          f"{res['step_ms']:.2f} ms, compile {res['compile_s']:.1f} s")
+    line = json.dumps(res)
+    print(line)
+    if _JSON.value:
+      with open(_JSON.value, "w") as fh:
+        fh.write(line + "\n")
+    return
   from k3jax import generate as G
   from k3jax.config import preset
   quick = _QUICK.value
