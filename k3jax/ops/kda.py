@@ -675,7 +675,11 @@ def _chunked(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_size:
   xs = (to_groups(q), to_groups(k), to_groups(v), to_groups(g), to_groups(beta))
   packed = segment_ids is not None
   if packed:
-    seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge").reshape(b, steps * group, chunk)
+    # Document indices (+1 wherever the id changes): the masks below compare for equality, and
+    # an id that comes back later in the row (0, 1, 0) starts a new document, as in the scan.
+    changed = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    seg = jnp.cumsum(jnp.pad(changed, ((0, 0), (1, 0))), axis=1)
+    seg = jnp.pad(seg, ((0, 0), (0, pad)), mode="edge").reshape(b, steps * group, chunk)
     prev = jnp.concatenate([seg[:, :1, 0], seg[:, :-1, -1]], axis=1)   # id before each chunk
     same = (seg[..., :, None] == seg[..., None, :]).astype(jnp.float32)  # [B,N,C,C]
     m = (seg == prev[..., None]).astype(jnp.float32)[..., None]         # [B,N,C,1]
