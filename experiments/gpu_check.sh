@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (NVIDIA H200 through the lead's `device` tool), < 8 minutes.
+# The prepared GPU check (written for an NVIDIA H200), < 8 minutes.
 #
-#   device run, carry [".whl"], timeout_s 540, command:  bash experiments/gpu_check.sh
+#   bash experiments/gpu_check.sh      (from the repo root, `.whl/` present; allow 540 s)
 #
 # Runs, each part under its own time limit and independent of the others' failure:
 #   1. environment: GPU, jax/jaxlib/flax/triton/torch/fla versions, jax devices;
@@ -12,7 +12,7 @@
 #      XLA chunked vs Pallas vs flash-linear-attention's Triton chunk_kda), one run per T;
 #      then the CPU set's 16K sizes in fp32: chunked vs recurrent vs fla's naive_chunk_kda;
 #   4. python -m experiments.bench_moe --json.
-# Everything lands in $OUT (at most 8 files come back): summary.txt, env.txt, tests.log,
+# Everything lands in $OUT (8 files at most): summary.txt, env.txt, tests.log,
 # bench_kda.log, bench_kda_8k.json, bench_kda_32k.json, bench_kda_16k_fp32.json, bench_moe.log.
 # Needs `.whl/` carried: flash_linear_attention-0.6.0 and fla_core-0.6.0 wheels (pure Python;
 # torch, triton, einops and transformers are on the machine). See docs/notes/pallas_kda.md.

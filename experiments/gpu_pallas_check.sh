@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU re-check of the Pallas kernels after the shared-memory fixes (run from the repo root; H200).
+# GPU check of the Pallas kernels with their shared-memory caps (run from the repo root; H200).
 # Pallas tests compiled for the GPU, then a short XLA-vs-Pallas KDA speed check.
-# Budget: <= 230 s in all. Run: device run, command `bash experiments/gpu_pallas_check.sh`. Everything goes to $OUT/rerun.log.
+# Budget: <= 230 s in all. Run: `bash experiments/gpu_pallas_check.sh`. Everything goes to $OUT/rerun.log.
 set -u
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG="$OUT/rerun.log"

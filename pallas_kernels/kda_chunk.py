@@ -39,20 +39,12 @@ Two launch forms of the same body:
 On CUDA the kernels are lowered with Triton (`pallas.triton.CompilerParams`), not Mosaic GPU
 (whose lowering on jax 0.10 rejects the plain dots used here).
 
-Shared memory on GPU (H200/sm_90: 232448 bytes per block). The first H200 run (jax 0.11.2)
-failed to compile the backward kernel at chunk 64 even for K = V = 16 ("requested 254976").
-On the Triton target the chunk is therefore capped (GPU_MAX_CHUNK: 16 for fp32 inputs, 32 for
-bf16/fp16); chunking is exact, so only rounding differs from a larger chunk. Figures, in bytes,
-from compiling each kernel's Triton IR (exported on CPU) with the `triton` 3.6 package for cuda
-sm_90 through to LLVM IR, num_warps=8, num_stages=1, block_v=64 (experiments/pallas_smem/:
-capture.py, measure.py); the same tool gave 391168 for the config XLA reported as 254976, so
-these read high:
-    K=V=128 fp32: chunk 64 fwd 114688 | chunk 32 bwd 319488 (block_v 32: 274432) | chunk 16 fwd
-                  35840, bwd 151552  <- used
-    K=V=128 bf16: chunk 32 fwd 40960, bwd 153600  <- used | chunk 16 bwd 75776
-    K=V=16 (tests) fp32 chunk 64 bwd 391168 | chunk 16 bwd 28672; bf16 chunk 32 bwd 72704
-The backward's footprint grows with C and K (the fp32 [C, K], [C, C] operands of its many dots
-and the [K, block_v] state), hardly with block_v.
+Shared memory on GPU (sm_90: 232448 bytes per block). The backward's footprint grows with C
+and K (the fp32 [C, K], [C, C] operands of its many dots and the [K, block_v] state), hardly
+with block_v; at chunk 64 it exceeds the limit even for K = V = 16. On the Triton target the
+chunk is therefore capped (GPU_MAX_CHUNK: 16 for fp32 inputs, 32 for bf16/fp16); chunking is
+exact, so only rounding differs from a larger chunk. The measured footprints behind the cap
+are in docs/notes/pallas_kda.md ("Shared memory on the Triton target").
 
 Limits: needs a bounded gate (`lower_bound`, g >= lower_bound >= -5; see kda_chunked_pallas
 for how a violation is reported); `segment_ids` is not supported (NotImplementedError: use

@@ -3,8 +3,9 @@ Runs Triton's own pipeline from the TTIR passes (make_ttir: inline, combine, can
 LICM) through TTGIR to LLVM IR, where the shared-memory allocation is final; skips PTX/cubin.
 Usage (a Python with `pip install triton==3.6.0`, e.g. a venv under /tmp; no GPU needed):
   python experiments/pallas_smem/measure.py NUM_WARPS NUM_STAGES /tmp/ttir/*.ttir
--> one JSON line per file with "shared" (bytes). Calibration (pallas_kernels/kda_chunk.py
-docstring): these figures read 20-53% above what XLA's own Triton requested on an H200."""
+-> one JSON line per file with "shared" (bytes). Calibration (docs/notes/pallas_kda.md for the
+KDA kernels, pallas_kernels/moe_gmm.py's docstring for gmm): these figures read 20-53% above
+what XLA's own Triton requested on an H200."""
 import sys, json, os, time
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend, IRSource
