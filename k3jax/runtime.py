@@ -3,13 +3,12 @@
 `keep_cpu_allocations()`: XLA:CPU allocates each call's temporary buffers anew. With glibc's
 default malloc, blocks of that size come from `mmap` (or from per-thread arenas that trim
 themselves) and go back to the OS when freed, so the next call touches fresh pages and takes
-one page fault per 4 KiB again: ~28,000 faults per fwd+bwd call of `kda_chunked` at
-T=1024, H=8, K=V=128 (~90 MiB of temporaries), measured with `getrusage` — tens of
-milliseconds per call in a virtual machine. Keeping one arena that never returns memory (the
-usual advice for CPU frameworks, like preloading tcmalloc or jemalloc) makes those calls
-fault-free. The costs: the process keeps its peak heap mapped, and all threads share one
-arena — the `small` CPU training step measured 10–15% slower with it, while the KDA op
-benchmark gained (docs/notes/kda_ops.md): measure for your workload.
+one page fault per 4 KiB of temporaries again, a cost per call that grows with the program's
+temporary memory. Keeping one arena that never returns memory (the usual advice for CPU
+frameworks, like preloading tcmalloc or jemalloc) makes those calls fault-free. The costs: the
+process keeps its peak heap mapped, and all threads share one arena, which can slow
+multi-threaded work: the KDA op benchmark gains, the `small` CPU training step loses (figures
+in docs/notes/kda_ops.md, "Page faults, not arithmetic"): measure for your workload.
 
 Call it first thing in a CLI (before the first JAX computation starts XLA's threads; threads
 that already own an arena keep it). Linux/glibc only; elsewhere it does nothing.
