@@ -1,4 +1,4 @@
-r"""Decode / prefill benchmark for k3jax.generate (issue 7 figures).
+r"""Decode / prefill benchmark for k3jax.generate.
 
   python -m experiments.bench_decode              # full: contexts 1K/8K/64K, long 64K/256K/1M
   python -m experiments.bench_decode --quick      # smoke: contexts 1K/4K, long 4K/16K/64K
@@ -69,31 +69,32 @@ def _variables(cfg):
   return G.unbox(jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)))
 
 
-def kda_stack(cfg, variables, cache_layers, x, num_new, path, with_mlp=True):
-  """The KDA layers of `cfg` alone (plain residuals): x [B,T,d] → (y, new KDA caches)."""
-  from k3jax import generate as G
-  from k3jax.layers.norms import rms_norm
-  out_caches = []
-  ci = 0
-  for i, (mixer, mlp) in enumerate(cfg.layer_types()):
-    if mixer != "kda":
-      continue
-    vs = G.layer_variables(cfg, variables, i)
-    hn = rms_norm(x, vs["params"]["input_layernorm"]["weight"], cfg.rms_norm_eps)
-    o, c, _ = G._kda_mixer(cfg, G._sub(vs, "self_attn"), hn, cache_layers[ci], num_new, path)
-    x = x + o
-    if with_mlp:
-      hn = rms_norm(x, vs["params"]["post_attention_layernorm"]["weight"], cfg.rms_norm_eps)
-      x = x + G._mlp(cfg, vs, mlp, hn).astype(jnp.float32)
-    out_caches.append(c)
-    ci += 1
-  return x, tuple(out_caches)
+def kda_only(cfg, with_mlp: bool):
+  """`cfg`'s KDA layers alone, each extending its own cache (`layers.kda.KDA` with a `Feed`),
+  plain residuals, with the MoE MLP when `with_mlp`. One set of weights serves every layer
+  (timings do not depend on the weights). → (jitted run(caches, x [1,T,d], num_new [1]) →
+  (y, caches), zero caches)."""
+  from k3jax.layers.cache import Feed
+  from k3jax.layers.kda import KDA, KDACache
+  from k3jax.layers.moe import StableLatentMoE
+  n = sum(m == "kda" for m, _ in cfg.layer_types())
+  x0 = jnp.zeros((1, 4, cfg.d_model))
+  kda, moe = KDA(cfg), StableLatentMoE(cfg.for_inference())
+  kv = kda.init(jax.random.PRNGKey(0), x0)
+  mv = moe.init(jax.random.PRNGKey(1), x0) if with_mlp else None
 
+  def run(caches, x, num_new):
+    feed = Feed(jnp.zeros_like(num_new), num_new)
+    out = []
+    for c in caches:
+      o, c = kda.apply(kv, x, None, c, feed)
+      x = x + o
+      if with_mlp:
+        x = x + moe.apply(mv, x)
+      out.append(c)
+    return x, tuple(out)
 
-def _kda_caches(cfg, batch):
-  from k3jax import generate as G
-  c = G.init_cache(cfg, batch, 1)
-  return tuple(l for l in c.layers if isinstance(l, G.KDACache))
+  return jax.jit(run), tuple(KDACache.zeros(cfg, 1) for _ in range(n))
 
 
 def k3_shaped(steps: int) -> dict:
@@ -138,7 +139,8 @@ def main(argv):
   res = {"config": "small", "backend": jax.default_backend(), "contexts": contexts}
 
   # 1. decode step time vs context.
-  hybrid, kda_only = [], []
+  hybrid, kda_times = [], []
+  kda_step, kda_caches = kda_only(cfg, with_mlp=True)
   key = jax.random.PRNGKey(1)
   for ctx in contexts:
     cache = G.init_cache(cfg, 1, ctx + 1)
@@ -147,13 +149,11 @@ def main(argv):
     step = G._decode_jit(cfg)
     one = jnp.ones((1,), jnp.int32)
     hybrid.append(_time(lambda: step(v, cache, tok, one)[0], _STEPS.value))
-    kc = _kda_caches(cfg, 1)
     x = jax.random.normal(key, (1, 1, cfg.d_model))
-    f = jax.jit(lambda c, x: kda_stack(cfg, v, c, x, one, "step"))
-    kda_only.append(_time(lambda: f(kc, x)[0], _STEPS.value))
+    kda_times.append(_time(lambda: kda_step(kda_caches, x, one)[0], _STEPS.value))
   res["decode_ms_hybrid"] = [t * 1e3 for t in hybrid]
-  res["decode_ms_kda_only"] = [t * 1e3 for t in kda_only]
-  res["kda_only_ratio_last_first"] = kda_only[-1] / kda_only[0]
+  res["decode_ms_kda_only"] = [t * 1e3 for t in kda_times]
+  res["kda_only_ratio_last_first"] = kda_times[-1] / kda_times[0]
   res["hybrid_ratio_last_first"] = hybrid[-1] / hybrid[0]
 
   # 2. cache bytes per token.
@@ -181,11 +181,11 @@ def main(argv):
 
   # 4. long-context prefill through the KDA-only variant, chunk by chunk.
   chunk = _LONG_CHUNK.value
-  f = jax.jit(lambda c, x, nn: kda_stack(cfg, v, c, x, nn, "chunked", _LONG_MLP.value))
+  f, zero_caches = kda_only(cfg, with_mlp=_LONG_MLP.value)
   full = jnp.full((1,), chunk, jnp.int32)
   long_rows = []
   for length in long_lengths:
-    kc = _kda_caches(cfg, 1)
+    kc = zero_caches
     # One random chunk fed repeatedly: the cost does not depend on the values, and generating
     # inputs inside the timed loop would time the random generator too.
     x = jax.random.normal(key, (1, chunk, cfg.d_model))

@@ -68,6 +68,7 @@ def main(argv):
   del argv
   from k3jax import generate as G
   from k3jax.sampling import SamplingParams
+  from k3jax.serving.speculative import speculative_generate
   if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
     raise ValueError("exactly one of --prompt / --prompt_file is required")
   prompt = _PROMPT.value
@@ -95,8 +96,8 @@ def main(argv):
     sys.stdout.flush()
 
   if _SPEC.value:
-    out, stats = G.speculative_generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
-                                        sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value)
+    out, stats = speculative_generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
+                                      sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value)
     tokens = out[0]
     sys.stdout.write(tok.decode(tokens))
     print(f"\n[speculative] acceptance rate {stats['acceptance_rate']:.3f} over "

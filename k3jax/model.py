@@ -27,6 +27,11 @@ changes), and a document's logits are bit-for-bit independent of the other docum
 layer masks with exact zeros; tests/test_model.py), with dropless MoE — with a capacity
 factor, the tokens of a batch compete for an expert's rows by design.
 
+Decoding goes through the same layers: `K3Model.extend(tokens, cache, num_new)` feeds T new
+tokens per row on top of a `k3jax.cache.Cache` (from `init_cache`); every token mixer extends
+its own cache (the scanned groups carry theirs as scan inputs and outputs, so a decode step
+compiles one group, not every layer), and `draft` runs the MTP layer on its own cache.
+
 Residual stream, norms' statistics, mixers, attention outputs and logits are fp32; matmuls
 run in `config.dtype`; params are fp32 masters with logical axes (docs/contracts.md).
 """
@@ -39,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import sharding
+from k3jax.cache import Cache
 from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig, dtype_of
 from k3jax.layers.attnres import AttnResMixer
+from k3jax.layers.cache import Feed
 from k3jax.layers.kda import KDA as KDALayer
 from k3jax.layers.linear import linear
 from k3jax.layers.mla import MLA as MLALayer
@@ -53,9 +60,10 @@ from k3jax.ops.attnres import attn_res_source_counts, blocks_before
 class DecoderLayer(nn.Module):
   """One layer: token mixer (KDA | MLA) and MLP (dense | MoE), pre-norm.
 
-  __call__(state, layer_index, segment_ids) → state. With AttnRes, state = (blocks, partial)
-  and `layer_index` (python int, or a traced int in the scanned body) drives the block
-  schedule; otherwise state = h [B,T,d].
+  __call__(state, layer_index, segment_ids, cache=None, feed=None) → state, or (state, the
+  token mixer's updated cache) with `cache`. With AttnRes, state = (blocks, partial) and
+  `layer_index` (python int, or a traced int in the scanned body) drives the block schedule;
+  otherwise state = h [B,T,d].
   """
   config: ModelConfig
   mixer: str
@@ -63,7 +71,7 @@ class DecoderLayer(nn.Module):
   attn_res: bool = True
 
   @nn.compact
-  def __call__(self, state, layer_index, segment_ids=None):
+  def __call__(self, state, layer_index, segment_ids=None, cache=None, feed=None):
     # The residual stream (h, or the AttnRes blocks and partial sum) enters and leaves every
     # layer batch-sharded (and sequence-sharded over `context`) under an active mesh.
     state = sharding.constrain_activations(state)
@@ -77,10 +85,19 @@ class DecoderLayer(nn.Module):
     input_norm = RMSNorm(eps=eps, name="input_layernorm")
     post_norm = RMSNorm(eps=eps, name="post_attention_layernorm")
 
+    def mix(h):   # the token mixer, extending its cache when decoding
+      if cache is None:
+        return attn(input_norm(h), segment_ids)
+      nonlocal new_cache
+      out, new_cache = attn(input_norm(h), segment_ids, cache, feed)
+      return out
+
+    new_cache = None
     if not self.attn_res:
       h = state
-      h = h + attn(input_norm(h), segment_ids).astype(h.dtype)
-      return sharding.constrain_activations(h + mlp(post_norm(h)).astype(h.dtype))
+      h = h + mix(h).astype(h.dtype)
+      h = sharding.constrain_activations(h + mlp(post_norm(h)).astype(h.dtype))
+      return h if cache is None else (h, new_cache)
 
     bs = cfg.attn_res_block_size
     blocks, partial = state
@@ -110,30 +127,37 @@ class DecoderLayer(nn.Module):
       blocks = jax.lax.dynamic_update_index_in_dim(blocks, slot, idx, 0)
       partial = jnp.where(append, jnp.zeros_like(partial), partial)
 
-    partial = partial + attn(input_norm(h), segment_ids).astype(partial.dtype)
+    partial = partial + mix(h).astype(partial.dtype)
     h = mlp_mixer(blocks, partial, slots < blocks_before(layer_index + 1, bs))
     partial = partial + mlp(post_norm(h)).astype(partial.dtype)
-    return sharding.constrain_activations((blocks, partial))
+    state = sharding.constrain_activations((blocks, partial))
+    return state if cache is None else (state, new_cache)
 
 
 class LayerGroup(nn.Module):
   """One scanned group: layers_0 … layers_{p-1} = [KDA]*(p-1) + [MLA], all MoE.
 
-  __call__(state, group_index, segment_ids) → (state, None); global layer index of
-  layers_j is first_layer + group_index·p + j.
+  __call__(state, group_index, segment_ids, cache=None, feed=None) → (state, the group's
+  updated caches {"layers_j": cache} or None); global layer index of layers_j is
+  first_layer + group_index·p + j.
   """
   config: ModelConfig
   first_layer: int
 
   @nn.compact
-  def __call__(self, state, group_index, segment_ids):
+  def __call__(self, state, group_index, segment_ids, cache=None, feed=None):
     p = self.config.mla_every
+    new = {}
     for j in range(p):
       mixer = MLA if j == p - 1 else KDA
-      state = DecoderLayer(self.config, mixer, MOE, self.config.attn_res_block_size is not None,
-                           name=f"layers_{j}")(
-          state, self.first_layer + group_index * p + j, segment_ids)
-    return state, None
+      layer = DecoderLayer(self.config, mixer, MOE, self.config.attn_res_block_size is not None,
+                           name=f"layers_{j}")
+      index = self.first_layer + group_index * p + j
+      if cache is None:
+        state = layer(state, index, segment_ids)
+      else:
+        state, new[f"layers_{j}"] = layer(state, index, segment_ids, cache[f"layers_{j}"], feed)
+    return state, (new if cache is not None else None)
 
 
 def _maybe_remat(cls, cfg: ModelConfig, static_argnums=()):
@@ -152,18 +176,22 @@ def _layer_cls(cfg: ModelConfig):
 
 
 class MTP(nn.Module):
-  """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → normed hidden [B,S,d]."""
+  """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → normed hidden [B,S,d];
+  with `cache` (its layer's MLACache) and `feed` → (hidden, updated cache)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, h, next_emb, segment_ids=None):
+  def __call__(self, h, next_emb, segment_ids=None, cache=None, feed=None):
     cfg = self.config
     eps = cfg.rms_norm_eps
     x = jnp.concatenate([RMSNorm(eps=eps, name="enorm")(next_emb),
                          RMSNorm(eps=eps, name="hnorm")(h)], axis=-1)
     x = linear(cfg, cfg.d_model, (None, "embed"), name="eh_proj")(x).astype(jnp.float32)
-    x = _layer_cls(cfg)(cfg, MLA, MOE, attn_res=False, name="layer")(x, 0, segment_ids)
-    return RMSNorm(eps=eps, name="norm")(x)
+    layer = _layer_cls(cfg)(cfg, MLA, MOE, attn_res=False, name="layer")
+    if cache is None:
+      return RMSNorm(eps=eps, name="norm")(layer(x, 0, segment_ids))
+    x, cache = layer(x, 0, segment_ids, cache, feed)
+    return RMSNorm(eps=eps, name="norm")(x), cache
 
 
 def _check_tokens(tokens, vocab_size: int, segment_ids):
@@ -213,10 +241,43 @@ class K3Model(nn.Module):
 
   __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False)
     → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab]) with return_mtp.
+  extend(tokens [B,T], cache, num_new [B]) → (logits, hidden [B,T,d] fp32, cache): decoding.
+  draft(hidden [B,T,d], next_tokens [B,T], cache, num_new [B]) → (MTP logits, cache).
+  init_cache(batch, max_len) → a zero `Cache` (needs no variables).
   """
   config: ModelConfig
 
-  @nn.compact
+  def setup(self):
+    cfg = self.config
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=dtype_of(cfg.param_dtype),
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(1.0), ("vocab", "embed")))
+    attn_res = cfg.attn_res_block_size is not None
+    types = cfg.layer_types()
+    prefix, groups, _ = cfg.stack_layout()
+    layer_cls = _layer_cls(cfg)
+    self.layers = {i: layer_cls(cfg, *types[i], attn_res) for i in self._unrolled()}
+    if groups:
+      self.body = nn.scan(
+          _maybe_remat(LayerGroup, cfg),
+          variable_axes={"params": 0, "balance": 0, "stats": 0, "rewind": 0},
+          split_rngs={"params": True}, in_axes=(0, nn.broadcast, 0, nn.broadcast),
+          length=groups, unroll=1 if cfg.scan_layers else groups,
+          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, prefix)
+    if attn_res:
+      self.output_attn_res = AttnResMixer(cfg)
+    self.norm = RMSNorm(eps=cfg.rms_norm_eps)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = linear(cfg, cfg.vocab_size, ("embed", "vocab"), name="lm_head")
+    if cfg.num_mtp_layers:
+      self.mtp = MTP(cfg)
+
+  def _unrolled(self) -> list[int]:
+    prefix, groups, _ = self.config.stack_layout()
+    return [*range(prefix), *range(prefix + groups * self.config.mla_every,
+                                   self.config.num_layers)]
+
   def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False):
     cfg = self.config
     _check_tokens(tokens, cfg.vocab_size, segment_ids)
@@ -224,62 +285,90 @@ class K3Model(nn.Module):
       segment_ids = document_ids(segment_ids)
     if return_mtp and not cfg.num_mtp_layers:
       raise ValueError("K3Model: return_mtp=True needs config.num_mtp_layers=1, found 0")
-    d, eps = cfg.d_model, cfg.rms_norm_eps
-    embed = nn.Embed(
-        cfg.vocab_size, d, dtype=jnp.float32, param_dtype=dtype_of(cfg.param_dtype),
-        embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(1.0), ("vocab", "embed")), name="embed_tokens")
-    x = embed(tokens)
-    b, t = tokens.shape
+    x = self.embed_tokens(tokens)
+    h, _ = self._stack(x, segment_ids)
+    logits = self._head(h)
+    if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
+      if return_mtp:
+        seg = None if segment_ids is None else mtp_document_ids(segment_ids)
+        # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
+        # T−1); the context-parallel attention and the expert dispatch pad them to a multiple
+        # of their axes themselves (k3jax/parallel/): the results equal the single-device run.
+        mtp_in = sharding.constrain_activations((h[:, :-1], self.embed_tokens(tokens[:, 1:])),
+                                                context=False)
+        return logits, self._head(self.mtp(*mtp_in, seg), normed=True)
+      self.mtp(h, x, segment_ids)  # init only: create the MTP params whatever T is
+    return logits
 
+  def extend(self, tokens, cache: Cache, num_new):
+    """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`.
+
+    Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (before the final norm: the MTP
+    input), cache with every layer's cache extended and lengths + num_new). Outputs past
+    num_new[b] are meaningless. With the "rewind" collection mutable, the KDA layers also sow
+    what `k3jax.serving.speculative.rewind` needs to keep only a prefix of the tokens.
+    """
+    feed = Feed(cache.lengths, num_new)
+    h, stack = self._stack(self.embed_tokens(tokens), None, cache.stack, feed)
+    return self._head(h), h, cache.replace(lengths=cache.lengths + num_new, stack=stack)
+
+  def draft(self, hidden, next_tokens, cache: Cache, num_new):
+    """The MTP layer over new positions: hidden [B,T,d] (the main model's `extend` output at
+    positions i) and next_tokens [B,T] (token i+1), appended to `cache.mtp` at
+    cache.mtp_lengths. Returns (logits fp32 [B,T,vocab] predicting token i+2, cache)."""
+    if not self.config.num_mtp_layers:
+      raise ValueError("K3Model.draft: needs config.num_mtp_layers=1, found 0")
+    y, mtp = self.mtp(hidden, self.embed_tokens(next_tokens), None, cache.mtp,
+                      Feed(cache.mtp_lengths, num_new))
+    return self._head(y, normed=True), cache.replace(mtp=mtp,
+                                                     mtp_lengths=cache.mtp_lengths + num_new)
+
+  def init_cache(self, batch: int, max_len: int) -> Cache:
+    """A zero cache for `batch` sequences of up to `max_len` tokens (see k3jax/cache.py)."""
+    return Cache.zeros(self.config, batch, max_len)
+
+  def _stack(self, x, segment_ids=None, cache=None, feed=None):
+    """Embeddings x [B,T,d] fp32 through every layer → (h [B,T,d] fp32 before the final norm,
+    the layers' updated caches, laid out like `Cache.stack`, or None without `cache`)."""
+    cfg = self.config
+    b, t, d = x.shape
     attn_res = cfg.attn_res_block_size is not None
     # Finished AttnRes blocks are frozen sums, stored in the compute dtype (bf16 halves the
     # largest activations a scanned stack saves for the backward); the running partial sum,
     # which every layer adds to, stays fp32.
     blocks0 = jnp.zeros((cfg.num_attn_res_blocks, b, t, d), dtype_of(cfg.dtype))
     state = (blocks0, x) if attn_res else x
-    types = cfg.layer_types()
-    prefix, groups, suffix = cfg.stack_layout()
-    layer_cls = _layer_cls(cfg)
+    new = None if cache is None else {}
+    prefix, groups, _ = cfg.stack_layout()
+
+    def unrolled(i, state):
+      if cache is None:
+        return self.layers[i](state, i, segment_ids)
+      state, new[f"layers_{i}"] = self.layers[i](state, i, segment_ids, cache[f"layers_{i}"],
+                                                 feed)
+      return state
+
     for i in range(prefix):
-      state = layer_cls(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
+      state = unrolled(i, state)
     if groups:
-      body = nn.scan(
-          _maybe_remat(LayerGroup, cfg), variable_axes={"params": 0, "balance": 0, "stats": 0},
-          split_rngs={"params": True}, in_axes=(0, nn.broadcast), length=groups,
-          unroll=1 if cfg.scan_layers else groups,
-          metadata_params={nn.PARTITION_NAME: "layers"})
-      state, _ = body(cfg, prefix, name="body")(state, jnp.arange(groups), segment_ids)
-    for i in range(prefix + groups * cfg.mla_every, cfg.num_layers):
-      state = layer_cls(cfg, *types[i], attn_res, name=f"layers_{i}")(state, i, segment_ids)
-
+      state, body = self.body(state, jnp.arange(groups), segment_ids,
+                              None if cache is None else cache["body"], feed)
+      if cache is not None:
+        new["body"] = body
+    for i in self._unrolled()[prefix:]:
+      state = unrolled(i, state)
     if attn_res:
-      blocks, partial = state
-      h = AttnResMixer(cfg, name="output_attn_res")(blocks, partial)
-    else:
-      h = state
-    head = None if cfg.tie_word_embeddings else linear(cfg, cfg.vocab_size, ("embed", "vocab"),
-                                                       name="lm_head")
-    logits = self._head(embed, head, RMSNorm(eps=eps, name="norm")(h))
+      return self.output_attn_res(*state), new
+    return state, new
 
-    if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
-      mtp = MTP(cfg, name="mtp")
-      if return_mtp:
-        seg = None if segment_ids is None else mtp_document_ids(segment_ids)
-        # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
-        # T−1); the context-parallel attention and the expert dispatch pad them to a multiple
-        # of their axes themselves (k3jax/parallel/): the results equal the single-device run.
-        mtp_in = sharding.constrain_activations((h[:, :-1], embed(tokens[:, 1:])), context=False)
-        mtp_logits = self._head(embed, head, mtp(*mtp_in, seg))
-        return logits, mtp_logits
-      mtp(h, x, segment_ids)  # init only: create the MTP params whatever T is
-    return logits
-
-  def _head(self, embed, head, h):
-    """fp32 logits [B,T,vocab] from normed hidden states (tied: embed.attend; else lm_head)."""
-    if head is None:
-      return embed.attend(h.astype(dtype_of(self.config.dtype))).astype(jnp.float32)
-    return head(h).astype(jnp.float32)
+  def _head(self, h, normed: bool = False):
+    """fp32 logits [B,T,vocab] from hidden states (final norm unless `normed`; tied:
+    embed.attend; else lm_head)."""
+    if not normed:
+      h = self.norm(h)
+    if self.config.tie_word_embeddings:
+      return self.embed_tokens.attend(h.astype(dtype_of(self.config.dtype))).astype(jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
 
 
 def layer_kinds(config: ModelConfig) -> dict:

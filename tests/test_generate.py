@@ -17,6 +17,7 @@ from k3jax import generate as G
 from k3jax.config import preset
 from k3jax.model import K3Model
 from k3jax.sampling import SamplingParams
+from k3jax.serving import payloads, speculative
 from k3jax.serving.prefix_cache import PrefixCache, PrefixCacheConfig
 from reference_model import reference_forward
 
@@ -107,7 +108,7 @@ def test_rewind_leaves_cache_as_if_draft_never_fed():
   feed = jnp.asarray(tokens[:, 8:10])
   _, _, after, aux = G._verify_jit(cfg)(uv, cache, feed, jnp.full((B,), 2, jnp.int32))
   keep = jnp.array([1, 2])
-  rew = G.rewind(after, cache, aux, keep)
+  rew = speculative.rewind(after, cache, aux, keep)
   _, one = G.decode_step(cfg, v, cache, feed[:, 0], active=np.array([True, True]))
   _, two = G.decode_step(cfg, v, one, feed[:, 1], active=np.array([False, True]))
   np.testing.assert_array_equal(rew.lengths, two.lengths)
@@ -120,8 +121,8 @@ def test_speculative_greedy_equals_plain_greedy():
   prompts = [list(tokens[0, :8]), list(tokens[1, :5])]   # prefill shape [2, 8] as elsewhere
   greedy = SamplingParams(temperature=0.0)
   plain = G.generate(cfg, v, prompts, max_new_tokens=6, sampling=greedy, max_len=S)
-  spec, stats = G.speculative_generate(cfg, v, prompts, max_new_tokens=6, sampling=greedy,
-                                       max_len=S)
+  spec, stats = speculative.speculative_generate(cfg, v, prompts, max_new_tokens=6,
+                                                 sampling=greedy, max_len=S)
   assert spec == plain
   assert 0.0 <= stats["acceptance_rate"] <= 1.0 and stats["rounds"] >= 3
 
@@ -140,16 +141,16 @@ def test_reused_prefix_gives_cold_prefill_logits():
   assert lease.reused == 0
   rows = np.stack([a[:8], a[:8]])
   _, c8 = G.prefill(cfg, v, rows, np.array([8, 8]), max_len=S, chunk=CHUNK)
-  ckpt = G.kda_checkpoint(c8, 0)
+  ckpt = payloads.kda_checkpoint(c8, 0)
   _, c12 = G.prefill(cfg, v, np.stack([a[8:], a[8:]]), np.array([4, 4]), cache=c8, chunk=CHUNK)
-  pc.store(lease, G.mla_latents(c12, 0, 0, 12), {8: ckpt})
+  pc.store(lease, payloads.mla_latents(c12, 0, 0, 12), {8: ckpt})
   pc.land(lease)
   pc.release(lease)
   # Request B shares A's first 8 tokens (a 9-token match reuses 8).
   b_tokens = np.concatenate([a[:9], tokens[1, :2]])
   hit = pc.match(list(b_tokens))
   assert (hit.mla_hit, hit.reused) == (8, 8)
-  warm = G.cache_from_prefix(cfg, [(pc.read_mla(hit), pc.read_kda(hit)), (None, None)], S)
+  warm = payloads.cache_from_prefix(cfg, [(pc.read_mla(hit), pc.read_kda(hit)), (None, None)], S)
   rest = np.stack([b_tokens[8:], b_tokens[:3]])
   warm_logits, _ = G.prefill(cfg, v, np.pad(rest, ((0, 0), (0, 5))), np.array([3, 3]),
                              cache=warm, chunk=CHUNK)

@@ -6,6 +6,13 @@ config.kda_lower_bound), β = sigmoid(b_proj x) → chunked delta rule (kernel c
 `backend.kda_chunked_fn(config.kernel_backend)`) → per-head RMSNorm(o) · sigmoid(output gate)
 → o_proj. The gate, β, the recurrence and the output norm are fp32.
 
+Decoding: with `cache` (a `KDACache`: the fp32 state and the last W−1 inputs of each short
+conv) and a `Feed`, the layer continues from the cache and returns the updated one. Padded
+inputs (past feed.num_new) get g = 0, β = 0, k = 0, which leave the state unchanged, so rows
+of different lengths share one shape. One new token (or a caller asking for the "rewind"
+collection) runs the exact recurrence token by token; more tokens run the chunked kernel
+from the cached state.
+
 Parameter names/shapes: docs/contracts.md ("KDA self_attn").
 """
 
@@ -16,10 +23,42 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from k3jax.layers import backend
+from k3jax.layers.cache import Feed, gather_time
 from k3jax.layers.linear import linear, param
 from k3jax.layers.norms import rms_norm
+from k3jax.ops.kda import kda_gate, kda_step
+
+
+@struct.dataclass
+class KDACache:
+  """A KDA layer's decode cache (constant size, whatever the context)."""
+  state: jax.Array      # [B,H,K,V] fp32: the delta-rule state after the last fed token
+  conv_q: jax.Array     # [B,W−1,H,K] fp32: the last W−1 inputs of the q short conv
+  conv_k: jax.Array
+  conv_v: jax.Array
+
+  @classmethod
+  def zeros(cls, config, batch: int) -> "KDACache":
+    h, k, w = config.kda_num_heads, config.kda_head_dim, config.kda_conv_size
+    conv = jnp.zeros((batch, w - 1, h, k), jnp.float32)
+    return cls(jnp.zeros((batch, h, k, k), jnp.float32), conv, conv, conv)
+
+  def rewound(self, rewind: dict, keep) -> "KDACache":
+    """This cache as if only the first keep[b] ([B] int) of the tokens of the call that sowed
+    `rewind` (its "rewind" collection: the state before and after every token, and the conv
+    inputs) had been fed."""
+    state = jnp.take_along_axis(rewind["states"], keep[None, :, None, None, None], 0)[0]
+    w = self.conv_q.shape[1] + 1
+    return KDACache(state, *(conv_tail(rewind[n], keep, w) for n in ("xq", "xk", "xv")))
+
+
+def conv_tail(xcat, num_new, w: int):
+  """The last W−1 conv inputs after feeding num_new[b] tokens: xcat[b, n : n+W−1], where
+  xcat [B,W−1+T,H,C] is the previous tail followed by the T new inputs."""
+  return gather_time(xcat, num_new[:, None] + jnp.arange(w - 1)[None])
 
 
 def short_conv(x, kernel, segment_ids=None):
@@ -92,14 +131,14 @@ class KDA(nn.Module):
     self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
                          name="o_proj")
 
-  # The pieces below are public so that decoding can reuse them token by token.
-  def project(self, x, segment_ids=None):
-    """q, k (L2-normalised), v after convs + SiLU, g (fp32 log-decay), β [B,T,H] fp32."""
-    from k3jax.ops.kda import kda_gate
-    conv = backend.short_conv_fn(short_conv)
-    q = jax.nn.silu(conv(self.q_proj(x), self.q_conv1d, segment_ids))
-    k = jax.nn.silu(conv(self.k_proj(x), self.k_conv1d, segment_ids))
-    v = jax.nn.silu(conv(self.v_proj(x), self.v_conv1d, segment_ids))
+  def project(self, x, conv):
+    """q, k (L2-normalised), v after `conv` + SiLU, g (fp32 log-decay), β [B,T,H] fp32.
+
+    conv(name, x_proj [B,T,H,K], kernel [W,H,K]) → fp32 [B,T,H,K], name in {"q","k","v"}.
+    """
+    q = jax.nn.silu(conv("q", self.q_proj(x), self.q_conv1d))
+    k = jax.nn.silu(conv("k", self.k_proj(x), self.k_conv1d))
+    v = jax.nn.silu(conv("v", self.v_proj(x), self.v_conv1d))
     q, k = l2_normalize(q), l2_normalize(k)
     z = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32)
     g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.config.kda_lower_bound)
@@ -114,11 +153,16 @@ class KDA(nn.Module):
         gate.astype(jnp.float32))
     return self.o_proj(o).astype(x.dtype)
 
-  def __call__(self, x, segment_ids=None):
+  def __call__(self, x, segment_ids=None, cache: KDACache | None = None,
+               feed: Feed | None = None):
+    """x [B,T,d] → [B,T,d]; with `cache` and `feed` → (out, updated KDACache)."""
     cfg = self.config
     if x.ndim != 3 or x.shape[-1] != cfg.d_model:
       raise ValueError(f"KDA: x must be [B,T,d={cfg.d_model}], found {x.shape}")
-    q, k, v, g, beta = self.project(x, segment_ids)
+    if cache is not None:
+      return self._extend(x, cache, feed)
+    conv_fn = backend.short_conv_fn(short_conv)
+    q, k, v, g, beta = self.project(x, lambda _, xp, w: conv_fn(xp, w, segment_ids))
     if self.is_initializing():
       # Parameters never depend on the recurrence's output: skip it, so that `init` (and its
       # compilation) costs projections only.
@@ -130,5 +174,39 @@ class KDA(nn.Module):
               **kwargs)
     return self.output(x, o.astype(jnp.float32))
 
+  def _extend(self, x, cache: KDACache, feed: Feed):
+    cfg = self.config
+    t, w = x.shape[1], cfg.kda_conv_size
+    tails = {"q": cache.conv_q, "k": cache.conv_k, "v": cache.conv_v}
+    inputs = {}
 
-__all__ = ["KDA", "short_conv", "l2_normalize"]
+    def conv(name, xp, kernel):   # the conv continues from the cached tail
+      inputs[name] = jnp.concatenate([tails[name], xp.astype(jnp.float32)], axis=1)
+      return short_conv(inputs[name], kernel)[:, w - 1:]
+
+    q, k, v, g, beta = self.project(x, conv)
+    valid = feed.valid(t)
+    g = jnp.where(valid[..., None, None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    k = jnp.where(valid[..., None, None], k, 0.0)
+    scale = cfg.kda_head_dim ** -0.5
+    if t == 1 or self.is_mutable_collection("rewind"):
+      def one(s, xs):
+        o_t, s = kda_step(*xs, s, scale=scale)
+        return s, (o_t, s)
+      tm = lambda a: jnp.moveaxis(a, 1, 0)
+      state, (o, states) = jax.lax.scan(one, cache.state, (tm(q), tm(k), tm(v), tm(g), tm(beta)))
+      o = jnp.moveaxis(o, 0, 1)
+      if self.is_mutable_collection("rewind"):
+        for name, value in (("states", jnp.concatenate([cache.state[None], states], 0)),
+                            ("xq", inputs["q"]), ("xk", inputs["k"]), ("xv", inputs["v"])):
+          self.sow("rewind", name, value, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+    else:
+      fn = backend.kda_chunked_fn(cfg.kernel_backend, lower_bound=cfg.kda_lower_bound)
+      o, state = fn(q, k, v, g, beta, scale=scale, chunk_size=cfg.kda_chunk_size,
+                    initial_state=cache.state)
+    new = KDACache(state, *(conv_tail(inputs[n], feed.num_new, w) for n in ("q", "k", "v")))
+    return self.output(x, o.astype(jnp.float32)), new
+
+
+__all__ = ["KDA", "KDACache", "conv_tail", "short_conv", "l2_normalize"]

@@ -5,6 +5,12 @@ per-head "nope" part and the "rope" part (never rotated: NoPE). kv: kv_a_proj_wi
 latent c (RMSNorm'd) and a key part shared by all heads; kv_b_proj(c) gives per-head key and value.
 Causal softmax attention with scale (nope+rope)^-0.5, fp32 output, × sigmoid(g_proj x) when
 `mla_output_gate`, then o_proj. Sows `max_logit` [H] (fp32) into "stats" for QK-Clip.
+
+Decoding: with `cache` (an `MLACache`: the normalised latent and the shared key part of every
+cached token, in a buffer preallocated for max_len tokens) and a `Feed`, the new tokens'
+latents are written at their positions and the queries attend the buffer in the absorbed form
+(`ops.mla.mla_absorbed_attention`: kv_b folded into the query and the output; no per-head keys
+or values are materialised).
 """
 
 from __future__ import annotations
@@ -12,10 +18,32 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from k3jax.config import dtype_of
+from k3jax.layers import backend
+from k3jax.layers.cache import Feed, write_slots
 from k3jax.layers.linear import linear
 from k3jax.layers.norms import RMSNorm
-from k3jax.layers import backend
+from k3jax.ops.mla import mla_absorbed_attention
+
+
+@struct.dataclass
+class MLACache:
+  """An MLA layer's decode cache; slots at or past a row's length are zero."""
+  c_kv: jax.Array       # [B,S,kv_rank] normalised latent, compute dtype
+  k_rope: jax.Array     # [B,S,rope] the key part shared by all heads
+
+  @classmethod
+  def zeros(cls, config, batch: int, max_len: int) -> "MLACache":
+    dt = dtype_of(config.dtype)
+    return cls(jnp.zeros((batch, max_len, config.kv_lora_rank), dt),
+               jnp.zeros((batch, max_len, config.qk_rope_head_dim), dt))
+
+  def truncated(self, lengths) -> "MLACache":
+    """Slots at or past lengths[b] ([B] int) zeroed (a leading groups axis broadcasts)."""
+    live = (jnp.arange(self.c_kv.shape[-2])[None] < lengths[:, None])[..., None]
+    return MLACache(jnp.where(live, self.c_kv, 0), jnp.where(live, self.k_rope, 0))
 
 
 def sow_stat(module: nn.Module, name: str, value):
@@ -76,10 +104,14 @@ class MLA(nn.Module):
       o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
     return self.o_proj(o).astype(x.dtype)
 
-  def __call__(self, x, segment_ids=None):
+  def __call__(self, x, segment_ids=None, cache: MLACache | None = None,
+               feed: Feed | None = None):
+    """x [B,T,d] → [B,T,d]; with `cache` and `feed` → (out, updated MLACache)."""
     cfg = self.config
     if x.ndim != 3 or x.shape[-1] != cfg.d_model:
       raise ValueError(f"MLA: x must be [B,T,d={cfg.d_model}], found {x.shape}")
+    if cache is not None:
+      return self._extend(x, cache, feed)
     q = self.query(x)
     k, v = self.keys_values(*self.latent(x))
     attention = backend.mla_attention_fn()   # context-parallel under a context mesh
@@ -88,5 +120,20 @@ class MLA(nn.Module):
     sow_stat(self, "max_logit", max_logit)
     return self.output(x, o)
 
+  def _extend(self, x, cache: MLACache, feed: Feed):
+    cfg = self.config
+    t, n = x.shape[1], cfg.qk_nope_head_dim
+    pos, valid = feed.positions(t), feed.valid(t)
+    c, k_rope = self.latent(x)
+    new = MLACache(write_slots(cache.c_kv, c, pos, valid),
+                   write_slots(cache.k_rope, k_rope, pos, valid))
+    q = self.query(x)
+    kv_b = nn.meta.unbox(self.kv_b_proj.variables["params"]["kernel"]).astype(
+        dtype_of(cfg.dtype))                                     # [L,H,nope+V]
+    o, _ = mla_absorbed_attention(q[..., :n], q[..., n:], new.c_kv, new.k_rope, kv_b[..., :n],
+                                  kv_b[..., n:], scale=cfg.qk_head_dim ** -0.5,
+                                  query_positions=pos)
+    return self.output(x, o), new
 
-__all__ = ["MLA", "sow_stat"]
+
+__all__ = ["MLA", "MLACache", "sow_stat"]

@@ -2,9 +2,11 @@
 
 Conventions: queries q [B,T,H,Dk], keys k [B,S,H,Dk], values v [B,S,H,V] with T ≤ S; the T
 queries are the *last* T positions of the S keys (T = S for training/prefill, T = 1 for a
-decode step against a cache). Query t may attend key s when s ≤ t + (S − T), when
-`segment_ids` (of the keys, [B,S]; the queries use its last T columns) agree, and when
-`kv_mask` [B,S] (valid cache slots) is True. Logits, softmax and the output are fp32
+decode step against a cache). Query t may attend key s when s ≤ t + (S − T) — or, given
+`query_positions` [B,T] (queries of a decode step written into a preallocated cache at
+per-row positions), when s ≤ query_positions[b, t] — when `segment_ids` (of the keys, [B,S];
+the queries use its last T columns) agree, and when `kv_mask` [B,S] (valid cache slots) is
+True. Logits, softmax and the output are fp32
 (matmul inputs may be bf16; they accumulate in fp32).
 
 Both functions also return `max_logit` [H]: the largest *scaled* pre-softmax logit per head
@@ -20,11 +22,17 @@ from jax import lax
 _NEG = -1e30  # finite "minus infinity": a masked logit, never produces nan
 
 
-def attention_mask(batch: int, t: int, s: int, *, segment_ids=None, kv_mask=None):
+def attention_mask(batch: int, t: int, s: int, *, segment_ids=None, kv_mask=None,
+                   query_positions=None):
   """Allowed (query, key) pairs, bool [B,1,T,S] (broadcast over heads)."""
-  qpos = jnp.arange(t)[:, None] + (s - t)
-  mask = (jnp.arange(s)[None, :] <= qpos)[None, None]
-  mask = jnp.broadcast_to(mask, (batch, 1, t, s))
+  if query_positions is None:
+    qpos = jnp.broadcast_to(jnp.arange(t) + (s - t), (batch, t))
+  elif query_positions.shape != (batch, t):
+    raise ValueError(f"mla: query_positions must be [B,T]=[{batch},{t}], found "
+                     f"{query_positions.shape}")
+  else:
+    qpos = query_positions
+  mask = (jnp.arange(s)[None, None, :] <= qpos[:, :, None])[:, None]
   if segment_ids is not None:
     if segment_ids.shape != (batch, s):
       raise ValueError(f"mla: segment_ids must be [B,S]=[{batch},{s}], found {segment_ids.shape}")
@@ -94,13 +102,14 @@ def mla_attention(q, k, v, *, scale: float | None = None, segment_ids=None, kv_m
 
 
 def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_kb, w_vb, *, scale: float,
-                           segment_ids=None, kv_mask=None):
+                           segment_ids=None, kv_mask=None, query_positions=None):
   """Attention straight from the cached latents, kv_b folded into the query and output.
 
   q_nope [B,T,H,N], q_rope [B,T,H,R]; c_kv [B,S,L] (normalised latent), k_rope [B,S,R]
   (shared key part); w_kb [L,H,N] and w_vb [L,H,V] are the key and value halves of kv_b.
   logit = (q_nope·w_kbᵀ)·c + q_rope·k_rope; output = (probs·c)·w_vb. Equal to
-  `mla_attention` on the materialised k = [c·w_kb, k_rope], v = c·w_vb.
+  `mla_attention` on the materialised k = [c·w_kb, k_rope], v = c·w_vb. Decoding passes the
+  cache buffer as c_kv/k_rope and the new tokens' slots as `query_positions` [B,T].
   Returns (o fp32 [B,T,H,V], max_logit [H]).
   """
   b, t, h, _ = q_nope.shape
@@ -115,8 +124,8 @@ def mla_absorbed_attention(q_nope, q_rope, c_kv, k_rope, w_kb, w_vb, *, scale: f
   logits = (jnp.einsum("bthl,bsl->bhts", q_lat, c_kv.astype(jnp.float32))
             + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=jnp.float32))
   logits = logits * scale
-  probs, max_logit = _softmax_and_max(logits, attention_mask(b, t, s, segment_ids=segment_ids,
-                                                             kv_mask=kv_mask))
+  probs, max_logit = _softmax_and_max(logits, attention_mask(
+      b, t, s, segment_ids=segment_ids, kv_mask=kv_mask, query_positions=query_positions))
   ctx = jnp.einsum("bhts,bsl->bthl", probs, c_kv.astype(jnp.float32))
   o = jnp.einsum("bthl,lhv->bthv", ctx, w_vb.astype(jnp.float32))
   return o, max_logit
