@@ -54,6 +54,7 @@ def bench_config(d: int, experts: int):
 
 def write_synthetic(directory: pathlib.Path, config) -> dict:
   """Write the K3-layout checkpoint of `config` with tiled random values. Returns sizes."""
+  from k3jax import hf_config
   from k3jax.convert import names as N
   from k3jax.convert.safetensors_io import ShardedWriter
   rng = np.random.default_rng(0)
@@ -97,7 +98,8 @@ def write_synthetic(directory: pathlib.Path, config) -> dict:
     w.write(name, a)
     del a
   w.close()
-  (directory / "config.json").write_text(json.dumps(config.to_hf_config("kimi_k3"), indent=2))
+  (directory / "config.json").write_text(
+      json.dumps(hf_config.to_hf_config(config, "kimi_k3"), indent=2))
   return {"bytes": w.total_bytes, "tensors": len(plan), "largest_tensor_bytes": largest,
           "shards": len(w.files)}
 

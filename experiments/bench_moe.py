@@ -19,6 +19,7 @@ average is printed and stored, and ratios are the figures to compare).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -73,6 +74,22 @@ def _problem(n, d, f, e, k, seed=0):
   w3 = jnp.asarray(rng.normal(size=(e, d, f)) / np.sqrt(d), jnp.float32)
   w2 = jnp.asarray(rng.normal(size=(e, f, d)) / np.sqrt(f), jnp.float32)
   return x, weights, indices, w1, w3, w2
+
+
+def _expert_fn(method):
+  """The routed-experts function a method name stands for: `expert_mlp`'s sorted path, the
+  dense reference, or expert-sorted rows through a grouped matmul passed as its `gmm`."""
+  if method == "sort":
+    return moe.expert_mlp
+  if method == "reference":
+    return moe.expert_mlp_reference
+  if method == "ragged":
+    return functools.partial(moe.expert_mlp, gmm=moe.ragged_gmm)
+  if method == "gmm":
+    from pallas_kernels.moe_gmm import gmm
+    return functools.partial(moe.expert_mlp, gmm=gmm)
+  raise ValueError(f"--methods: expected sort[@CF], reference, ragged, gmm or gather, "
+                   f"found {method!r}")
 
 
 def _method(name, n, k, e):
@@ -145,12 +162,12 @@ def bench_experts(n, d, f, e, k, methods, repeats):
       if method == "gather":
         y = gather_mlp(x, w, indices, w1, w3, w2)
       else:
-        y, _ = moe.expert_mlp(x, w, indices, w1, w3, w2, method=method, capacity=cap)
+        y, _ = _expert_fn(method)(x, w, indices, w1, w3, w2, capacity=cap)
       return jnp.sum(y * probe)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
   if "gather" in methods:   # the bench-only variant must compute the same function
-    want = moe.expert_mlp(x, weights, indices, w1, w3, w2, method="reference")[0]
+    want = moe.expert_mlp_reference(x, weights, indices, w1, w3, w2)[0]
     got = jax.jit(gather_mlp)(x, weights, indices, w1, w3, w2)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
@@ -200,7 +217,7 @@ def bench_layer(repeats, capacity_factor):
   None if absent."""
   try:
     from k3jax.config import preset
-    from k3jax.layers.backend import moe_method
+    from k3jax.layers import backend
     from k3jax.layers.moe import StableLatentMoE
   except ImportError:
     return None, None
@@ -215,7 +232,8 @@ def bench_layer(repeats, capacity_factor):
     return jnp.mean(layer.apply({"params": params, **rest}, x) ** 2)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-  return _time(step, params, x, repeats=repeats)[0], moe_method(cfg.kernel_backend)
+  method = "sort" if backend.kernels(cfg).gmm is None else "gmm"
+  return _time(step, params, x, repeats=repeats)[0], method
 
 
 def main(argv):

@@ -5,6 +5,8 @@
 field. Layer layout is derived, never stored: `layer_types()` gives the token mixer and MLP kind
 of every layer, and `stack_layout()` splits the stack into an unrolled prefix, a repeating body
 of identical groups (scanned with `nn.scan` when `scan_layers=True`) and an unrolled suffix.
+`config.json` ⇄ `ModelConfig` is `k3jax.hf_config.from_hf_config` / `to_hf_config` (that module
+imports this one, never the reverse).
 
 Spec references: K3_SPEC.md §1 (Table 1), §2 (layout), §3–6 (components), §9 (HF config keys).
 """
@@ -153,17 +155,6 @@ class ModelConfig:
     training-time layout choice; with the few tokens of a decode step it would drop tokens
     that pick the same expert."""
     return self.replace(moe_capacity_factor=None)
-
-  @classmethod
-  def from_hf_config(cls, d: dict, **overrides: Any) -> "ModelConfig":
-    """From a Kimi Linear / Kimi K3 `config.json` dict (logic in k3jax/hf_config.py)."""
-    from k3jax import hf_config
-    return hf_config.from_hf_config(d, **overrides)
-
-  def to_hf_config(self, arch: str | None = None) -> dict:
-    """A `config.json` dict (Kimi K3 layout when K3 features are used; k3jax/hf_config.py)."""
-    from k3jax import hf_config
-    return hf_config.to_hf_config(self, arch)
 
   # ------------------------------------------------------------------ validation
   def validate(self) -> None:

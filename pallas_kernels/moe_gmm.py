@@ -7,8 +7,9 @@
       the weight gradient: out[g] = lhs[rows of g]ᵀ · grad[rows of g] (zero for empty groups).
 
 The backward pass of `gmm` is d lhs = gmm(d out, rhs with K and N swapped) and d rhs = tgmm(lhs,
-d out). `permute` / `unpermute` move (token, slot) pairs into expert-sorted rows and back; they
-are what `k3jax.ops.moe.expert_mlp(method="gmm")` runs around the three grouped matmuls.
+d out). `gmm` is a `k3jax.ops.moe.GroupedMatmul`: `expert_mlp(..., gmm=gmm)` runs it three
+times between `permute` / `unpermute` (re-exported here), which move (token, slot) pairs into
+expert-sorted rows and back; `k3jax.layers.backend` passes it for kernel_backend="pallas".
 
 Kernel layout (one design for every platform). The grid covers output tiles only, and every
 reduction runs as a loop *inside* the kernel, so no two grid points ever write the same output

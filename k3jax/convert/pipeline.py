@@ -209,8 +209,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
   _check_dst(dst)
   d = read_config(src)
   arch = resolve_arch(d, arch)
-  config = ModelConfig.from_hf_config(d, **{"param_dtype": dtype, "dtype": dtype,
-                                            **config_overrides})
+  config = hf_config.from_hf_config(d, **{"param_dtype": dtype, "dtype": dtype,
+                                          **config_overrides})
   for key, why in hf_config.ignored_keys(d).items():
     log(f"config.json: ignoring {key!r}: {why}")
   source = Source(src, allow_torch_pickle=allow_torch_pickle)

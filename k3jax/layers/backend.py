@@ -4,16 +4,25 @@ Layers never branch on the backend themselves: they ask this module for the func
 "xla" is the pure-jnp path in `k3jax.ops` (runs everywhere, the reference semantics);
 "pallas" the kernels in `pallas_kernels` (interpreted on CPU); "auto" picks Pallas on GPU/TPU
 and XLA on CPU.
+
+`kernels(config)` resolves the config's backend once (cached) into a `Kernels` record of plain
+functions. The `*_fn` helpers below are what layers call: they take the record's function and,
+when the active mesh has a context or expert axis, wrap it in its parallel form — decided at
+trace time, because that is when the mesh is known. The ops never import a kernel; they take
+it as an argument (`ops.moe.expert_mlp(gmm=...)`), and so does the expert-parallel path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 
 
 def resolve(backend: str) -> str:
+  """"xla" | "pallas" for a `kernel_backend` value; the one place "auto" is decided."""
   if backend == "auto":
     return "xla" if jax.default_backend() == "cpu" else "pallas"
   if backend not in ("xla", "pallas"):
@@ -21,30 +30,74 @@ def resolve(backend: str) -> str:
   return backend
 
 
-def kda_chunked_fn(backend: str, *, lower_bound: float | None = None, packed: bool = False):
-  """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, ...)` for a backend.
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """The kernel functions one (kernel_backend, kda_lower_bound) resolves to.
 
-  The Pallas kernel relies on a bounded decay gate (g ≥ lower_bound, spec §3) and does not
-  take `segment_ids`: with an unbounded gate (Kimi Linear) or packed documents the XLA op is
-  used. (`ModelConfig` already rejects kernel_backend="pallas" with an unbounded gate.)
+  backend: "xla" | "pallas", with "auto" resolved.
+  kda_chunked: `kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size)` →
+    (o, final state) for unpacked sequences: the Pallas kernel on "pallas" with a bounded gate,
+    else the XLA op (both told the gate's bound).
+  kda_chunked_packed: the same with `segment_ids` (packed documents): always the XLA op (the
+    kernel takes no segment ids).
+  gmm: the grouped matmul the routed experts run through (`ops.moe.GroupedMatmul`):
+    `pallas_kernels.moe_gmm.gmm` on "pallas"; None on "xla" (the sorted dense-einsum path,
+    the fastest XLA one on CPU).
+  expert_mlp: `ops.moe.expert_mlp` with `gmm` bound (signature less `gmm`).
+  """
+  backend: str
+  kda_chunked: Callable
+  kda_chunked_packed: Callable
+  gmm: Callable | None
+  expert_mlp: Callable
+
+
+@functools.cache
+def _kernels(name: str, kda_lower_bound: float | None) -> Kernels:
+  """The record of a resolved backend name ("xla" | "pallas")."""
+  from k3jax.ops.kda import kda_chunked
+  from k3jax.ops.moe import expert_mlp
+  # The bound lets the XLA op pick its dense diagonal-tile form at trace time (no cond).
+  kda_xla = functools.partial(kda_chunked, lower_bound=kda_lower_bound)
+  kda, gmm = kda_xla, None
+  if name == "pallas":
+    from pallas_kernels.kda_chunk import kda_chunked_pallas
+    from pallas_kernels.moe_gmm import gmm
+    # The KDA kernel relies on a bounded decay gate (g ≥ lower_bound, spec §3); with an
+    # unbounded gate (Kimi Linear) the XLA op runs. (`ModelConfig` rejects
+    # kernel_backend="pallas" with an unbounded gate; "auto" on a GPU/TPU reaches this.)
+    if kda_lower_bound is not None:
+      kda = functools.partial(kda_chunked_pallas, lower_bound=kda_lower_bound)
+  mlp = expert_mlp if gmm is None else functools.partial(expert_mlp, gmm=gmm)
+  return Kernels(backend=name, kda_chunked=kda, kda_chunked_packed=kda_xla, gmm=gmm,
+                 expert_mlp=mlp)
+
+
+def kernels(config) -> Kernels:
+  """The `Kernels` of a `ModelConfig` (its `kernel_backend` and `kda_lower_bound`); cached, so
+  every layer of a model shares one record (and "auto" the record of what it resolves to)."""
+  return _kernels(resolve(config.kernel_backend), config.kda_lower_bound)
+
+
+def kda_chunked_fn(backend: str, *, lower_bound: float | None = None, packed: bool = False):
+  """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, ...)` for a backend:
+  `Kernels.kda_chunked`, or `kda_chunked_packed` when `packed` (segment ids).
+
   Under `k3jax.sharding.activate(mesh)` with context > 1 the function runs context-parallel
   (k3jax/parallel/context.py); otherwise it is the op itself.
   """
   from k3jax.parallel.context import maybe_context_parallel
-  if resolve(backend) == "pallas" and lower_bound is not None and not packed:
-    from pallas_kernels.kda_chunk import kda_chunked_pallas
-    return maybe_context_parallel(functools.partial(kda_chunked_pallas, lower_bound=lower_bound))
-  from k3jax.ops.kda import kda_chunked
-  # The bound lets the op pick its dense diagonal-tile form at trace time (no cond).
-  return maybe_context_parallel(functools.partial(kda_chunked, lower_bound=lower_bound))
+  ks = _kernels(resolve(backend), lower_bound)
+  return maybe_context_parallel(ks.kda_chunked_packed if packed else ks.kda_chunked)
 
 
-def expert_mlp_fn():
-  """`k3jax.ops.moe.expert_mlp`, or — under `k3jax.sharding.activate(mesh)` with expert > 1 —
-  its expert-parallel form (all_to_all dispatch, k3jax/parallel/expert.py), same signature."""
-  from k3jax.ops.moe import expert_mlp
+def expert_mlp_fn(config):
+  """`kernels(config).expert_mlp` (`ops.moe.expert_mlp` less `gmm`), or — under
+  `k3jax.sharding.activate(mesh)` with expert > 1 — its expert-parallel form (all_to_all
+  dispatch, k3jax/parallel/expert.py) running the same grouped matmul, same signature."""
   from k3jax.parallel.expert import maybe_expert_parallel
-  return maybe_expert_parallel(expert_mlp)
+  ks = kernels(config)
+  return maybe_expert_parallel(ks.expert_mlp, gmm=ks.gmm)
 
 
 def short_conv_fn(conv_fn):
@@ -64,7 +117,5 @@ def mla_attention_fn():
   return maybe_context_parallel_attention(mla_attention)
 
 
-def moe_method(backend: str) -> str:
-  """`k3jax.ops.moe.expert_mlp` method for a backend: the Pallas grouped matmul ("gmm") on
-  "pallas", the sorted dense-einsum path ("sort", fastest XLA path on CPU) on "xla"."""
-  return "gmm" if resolve(backend) == "pallas" else "sort"
+__all__ = ["Kernels", "kernels", "resolve", "kda_chunked_fn", "expert_mlp_fn", "short_conv_fn",
+           "mla_attention_fn"]

@@ -102,11 +102,10 @@ class StableLatentMoE(nn.Module):
     if self.is_initializing():  # params never depend on the dispatch: skip it in init
       u, dropped = jnp.zeros(z.shape, jnp.float32), 0
     else:
-      u, dropped = backend.expert_mlp_fn()(
+      u, dropped = backend.expert_mlp_fn(cfg)(
           z, weights, indices.astype(jnp.int32), w1.astype(compute), w3.astype(compute),
           w2.astype(compute), activation=cfg.activation, beta1=cfg.situ_beta1,
-          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t),
-          method=backend.moe_method(cfg.kernel_backend))
+          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t))
     if latent:
       u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
           u.astype(jnp.float32))

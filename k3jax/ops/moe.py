@@ -6,19 +6,21 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
 - `route(scores, bias, k)`: top-k selection on biased scores, weights from unbiased scores,
   and the (k+1)-th biased score (the Quantile Balancing cutoff, spec §7).
 - `capacity(num_tokens, k, num_experts, capacity_factor)`: static rows per expert.
-- `expert_mlp(x, weights, indices, w1, w3, w2, ...)`: the routed experts, with four methods that
-  compute the same function:
-    "reference"  every expert on every token, combined with a dense [N, E] weight matrix
-                 (slow, E/k times the needed FLOPs, obviously correct);
-    "sort"       (token, slot) pairs sorted by expert into one of two static layouts
+- `expert_mlp(x, weights, indices, w1, w3, w2, ..., gmm=None)`: the routed experts, computed
+  one of two ways chosen by the caller (k3jax/layers/backend.py picks for the model):
+    gmm=None     (token, slot) pairs sorted by expert into one of two static layouts
                  (`sort_layout`): a capacity-padded [E, C, D] buffer (batched dense einsums;
                  the fast XLA path) or, when dropless makes that buffer E/k times too big,
                  expert-aligned T-row tiles scanned with each tile's expert weights; moved
                  there and back by `gather_rows` (gathers in both directions);
-    "ragged"     `jax.lax.ragged_dot` over expert-sorted rows (dropless by construction);
-    "gmm"        the Pallas grouped matmul of `pallas_kernels.moe_gmm` over expert-sorted rows.
+    gmm=fn       expert-sorted rows (`permute`) through three calls of a grouped matmul
+                 `fn(lhs, rhs, group_sizes)` (`GroupedMatmul`): `ragged_gmm` here
+                 (`jax.lax.ragged_dot`) or a kernel such as `pallas_kernels.moe_gmm.gmm`.
+  This module never imports a kernel: an op that can run one takes it as an argument.
+- `expert_mlp_reference(...)`: every expert on every token, combined with a dense [N, E]
+  weight matrix (slow, E/k times the needed FLOPs, obviously correct); tests and benchmarks.
 
-Dropping rule (all methods agree): pairs are ranked inside each expert by their flat index
+Dropping rule (all paths agree): pairs are ranked inside each expert by their flat index
 n·k + j (token-major, earlier tokens first); a pair whose rank is ≥ `capacity` is dropped (its
 contribution is zero) and counted in `dropped`. With `capacity=None` nothing is dropped.
 """
@@ -26,14 +28,15 @@ contribution is zero) and counted in `dropped`. With `capacity=None` nothing is 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
-
-METHODS = ("reference", "sort", "ragged", "gmm")
+# gmm(lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G] int32) -> [M, N]: rows
+# [o_g, o_g + group_sizes[g]) use rhs[g] (o_g = Σ_{h<g} group_sizes[h]); rows past Σ sizes → 0.
+GroupedMatmul = Callable[[Array, Array, Array], Array]
 
 
 # --------------------------------------------------------------------------- activations
@@ -60,7 +63,8 @@ def swiglu(a: Array, b: Array) -> Array:
   return (jax.nn.silu(a.astype(jnp.float32)) * b.astype(jnp.float32)).astype(out_dtype)
 
 
-def _activation_fn(activation: str, beta1: float, beta2: float):
+def activation_fn(activation: str, beta1: float = 4.0, beta2: float = 25.0):
+  """The gated activation `act(a, b)` named by `activation` ("situ" with β1, β2, or "swiglu")."""
   if activation == "situ":
     return lambda a, b: situ_glu(a, b, beta1, beta2)
   if activation == "swiglu":
@@ -180,7 +184,7 @@ def _gather_rows_bwd(res, g):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _validate(x, weights, indices, w1, w3, w2, method, capacity_):
+def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
   if x.ndim != 2:
     raise ValueError(f"expert_mlp: x must be [N, D], found shape {x.shape}")
   n, d = x.shape
@@ -200,17 +204,24 @@ def _validate(x, weights, indices, w1, w3, w2, method, capacity_):
   if weights.shape != indices.shape:
     raise ValueError(
         f"expert_mlp: weights must be [N, k]={indices.shape}, found shape {weights.shape}")
-  if method not in METHODS:
-    raise ValueError(f"expert_mlp: method must be one of {METHODS}, found {method!r}")
+  if gmm is not None and not callable(gmm):
+    raise ValueError(f"expert_mlp: gmm must be a grouped matmul function or None, found {gmm!r}")
   if capacity_ is not None and (not isinstance(capacity_, int) or capacity_ < 1):
     raise ValueError(f"expert_mlp: capacity must be a positive int or None, found {capacity_!r}")
 
 
 # --------------------------------------------------------------------------- expert MLP
+def _prepare(x, weights, indices, w1, w3, w2, activation, beta1, beta2):
+  """The activation function and the operands in the dtypes every path computes in."""
+  cdt = x.dtype
+  return (activation_fn(activation, beta1, beta2), weights.astype(jnp.float32),
+          indices.astype(jnp.int32), w1.astype(cdt), w3.astype(cdt), w2.astype(cdt))
+
+
 def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w2: Array, *,
                activation: Literal["situ", "swiglu"] = "situ", beta1: float = 4.0,
                beta2: float = 25.0, capacity: int | None = None,
-               method: str = "sort") -> tuple[Array, Array]:
+               gmm: GroupedMatmul | None = None) -> tuple[Array, Array]:
   """Routed experts: y_i = Σ_j weights_ij · w2[e](act(x_i w1[e], x_i w3[e])), e = indices_ij.
 
   Args:
@@ -219,24 +230,48 @@ def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w
     w1, w3: [E, D, F]; w2: [E, F, D] expert weights (cast to x.dtype for the matmuls).
     activation: "situ" (β1, β2) or "swiglu", evaluated in fp32.
     capacity: rows per expert (see `capacity()`); None = dropless.
-    method: "reference" | "sort" | "ragged" | "gmm" (module docstring).
+    gmm: None → the sorted dense-einsum path; a `GroupedMatmul` → expert-sorted rows through
+      it (module docstring). Both compute the same function.
 
   Returns:
     y [N, D] in x.dtype (combine: products in x.dtype, summed in fp32); dropped: int32
     scalar, pairs over capacity.
-  Differentiable in x, weights, w1, w3, w2.
+  Differentiable in x, weights, w1, w3, w2 (through `gmm`'s own VJP when given).
   """
-  _validate(x, weights, indices, w1, w3, w2, method, capacity)
-  act = _activation_fn(activation, beta1, beta2)
-  cdt = x.dtype
-  w1, w3, w2 = w1.astype(cdt), w3.astype(cdt), w2.astype(cdt)
-  indices = indices.astype(jnp.int32)
-  weights = weights.astype(jnp.float32)
-  if method == "reference":
-    return _expert_mlp_reference(x, weights, indices, w1, w3, w2, act, capacity)
-  if method == "sort":
+  _validate(x, weights, indices, w1, w3, w2, capacity, gmm)
+  act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
+                                               beta1, beta2)
+  if gmm is None:
     return _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity)
-  return _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity, method)
+  return _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity, gmm)
+
+
+def expert_mlp_reference(x: Array, weights: Array, indices: Array, w1: Array, w3: Array,
+                         w2: Array, *, activation: Literal["situ", "swiglu"] = "situ",
+                         beta1: float = 4.0, beta2: float = 25.0,
+                         capacity: int | None = None) -> tuple[Array, Array]:
+  """`expert_mlp`'s function computed the obvious way: every expert on every token, then a
+  dense [N, E] combine (E/k times the needed FLOPs). Same arguments and results."""
+  _validate(x, weights, indices, w1, w3, w2, capacity)
+  act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
+                                               beta1, beta2)
+  return _expert_mlp_reference(x, weights, indices, w1, w3, w2, act, capacity)
+
+
+def ragged_gmm(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+  """The XLA `GroupedMatmul`: `jax.lax.ragged_dot` (lhs [M, K], rhs [G, K, N] → [M, N])."""
+  return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
+
+
+def grouped_experts(rows: Array, group_sizes: Array, w1: Array, w3: Array, w2: Array, act,
+                    gmm: GroupedMatmul) -> Array:
+  """The expert MLP on rows sorted by expert: [M, D] → [M, D] in rows.dtype.
+
+  group_sizes [E]: rows per expert (rows past their sum give zeros); w1, w3 [E, D, F],
+  w2 [E, F, D] in rows.dtype; act(a, b) the gated activation. Three `gmm` calls.
+  """
+  h = act(gmm(rows, w1, group_sizes), gmm(rows, w3, group_sizes))
+  return gmm(h.astype(rows.dtype), w2, group_sizes)
 
 
 def _keep_mask_reference(indices: Array, num_experts: int, capacity_: int | None) -> Array:
@@ -277,7 +312,7 @@ def _rows_per_expert(num_tokens: int, capacity_: int | None) -> int:
 
 def sort_layout(num_tokens: int, k: int, num_experts: int,
                 capacity_: int | None) -> tuple[str, int, int]:
-  """Layout of the "sort" method: ("buffer", E·C rows, C) or ("tiled", n_tiles·T rows, T).
+  """Layout of the sorted path (gmm=None): ("buffer", E·C rows, C) or ("tiled", n_tiles·T rows, T).
 
   A tile scan computes a row ~1.5x slower than the batched einsums of the buffer on CPU (small
   matmuls, a weight-gradient update per step; docs/notes/moe.md), so the buffer is used unless
@@ -387,22 +422,13 @@ def unpermute(rows: Array, weights: Array, info: dict[str, Array], num_tokens: i
   return y, jnp.sum(~keep).astype(jnp.int32)
 
 
-def _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity_, method):
-  """Expert-sorted rows [N·k, D] through a grouped matmul (ragged_dot or Pallas gmm).
+def _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity_, gmm):
+  """Expert-sorted rows [N·k, D] through the grouped matmul `gmm`.
 
-  Dropless compute; pairs over `capacity` are masked in the combine (same result as "sort").
+  Dropless compute; pairs over `capacity` are masked in the combine (same result as the
+  sorted path).
   """
-  n = x.shape[0]
-  e = w1.shape[0]
-  if method == "ragged":
-    def gmm_fn(lhs, rhs, sizes):
-      return jax.lax.ragged_dot(lhs, rhs, sizes)
-  else:
-    # The one upward import (ops -> pallas_kernels), lazy so ops never need Pallas otherwise.
-    from pallas_kernels.moe_gmm import gmm as gmm_fn  # noqa: PLC0415
-  xs, info = permute(x, indices, e)                                 # [P, D] expert-sorted
-  sizes = info["group_sizes"]
-  h = act(gmm_fn(xs, w1, sizes), gmm_fn(xs, w3, sizes))
-  out = gmm_fn(h.astype(x.dtype), w2, sizes)                         # [P, D]
-  y, dropped = unpermute(out, weights, info, n, capacity_)
+  xs, info = permute(x, indices, w1.shape[0])                      # [P, D] expert-sorted
+  out = grouped_experts(xs, info["group_sizes"], w1, w3, w2, act, gmm)
+  y, dropped = unpermute(out, weights, info, x.shape[0], capacity_)
   return y.astype(x.dtype), dropped

@@ -8,7 +8,9 @@ over context) and E/ep experts. With **static shapes only** (XLA:CPU has no ragg
      source device (like MoonEP's fixed token counts; `None` = dropless: C = local tokens);
   2. `all_to_all` over `expert` sends rows of expert e to the device holding e:
      [ep, E/ep, C, D] (destination-major) → [ep, E/ep, C, D] (source-major);
-  3. the local experts run as batched dense einsums on [E/ep, ep·C, D];
+  3. the local experts run on [E/ep, ep·C, D]: batched dense einsums, or — given a grouped
+     matmul `gmm` (the kernel `kernel_backend` chose, k3jax/layers/backend.py) — that kernel
+     over the E/ep groups of ep·C rows each;
   4. the reverse `all_to_all` brings results home, where they are combined in fp32.
 
 Pairs over capacity are dropped (rank inside an expert counted per source device, token-major)
@@ -60,7 +62,8 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
                      *, num_experts: int, activation: str = "situ", beta1: float = 4.0,
                      beta2: float = 25.0, capacity_factor: float | None = None,
                      capacity: int | None = None, valid: Array | None = None,
-                     axis_name: str = EXPERT) -> tuple[Array, Array]:
+                     axis_name: str = EXPERT,
+                     gmm: moe_ops.GroupedMatmul | None = None) -> tuple[Array, Array]:
   """The expert-parallel routed MLP on one device's tokens; call inside shard_map.
 
   Args:
@@ -70,6 +73,8 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
     capacity_factor: rows per (source device, expert) = ceil(cf · N · k / E); None = dropless.
     capacity: explicit rows per (source device, expert), overriding `capacity_factor`.
     valid: [N] bool, False on padding rows (not counted in `dropped`); None: all rows real.
+    gmm: None → the local experts run as batched einsums; a `moe_ops.GroupedMatmul` → they run
+      through it (module docstring, step 3).
   Returns:
     y [N, D] in x.dtype (Σ_j weights_ij · E_{indices_ij}(x_i), dropped pairs contribute 0),
     dropped: int32 real pairs over capacity on this device (not yet summed over devices).
@@ -84,16 +89,22 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
   cap = (moe_ops.capacity(n, k, num_experts, capacity_factor) if capacity is None
          else max(1, min(n, capacity)))
   cdt = x.dtype
-  act = (lambda a, b: moe_ops.situ_glu(a, b, beta1, beta2)) if activation == "situ" else (
-      moe_ops.swiglu)
+  act = moe_ops.activation_fn(activation, beta1, beta2)
   buf, slot, keep = _dispatch(x, indices.astype(jnp.int32), num_experts, cap)
   # [E, C, D] = [ep (destination), E/ep, C, D] → all_to_all → [ep (source), E/ep, C, D].
   buf = buf.reshape(ep, e_local, cap, d)
   buf = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)
   rows = buf.transpose(1, 0, 2, 3).reshape(e_local, ep * cap, d)
-  h = act(jnp.einsum("ecd,edf->ecf", rows, w1.astype(cdt)),
-          jnp.einsum("ecd,edf->ecf", rows, w3.astype(cdt)))
-  out = jnp.einsum("ecf,efd->ecd", h.astype(cdt), w2.astype(cdt))
+  if gmm is None:
+    h = act(jnp.einsum("ecd,edf->ecf", rows, w1.astype(cdt)),
+            jnp.einsum("ecd,edf->ecf", rows, w3.astype(cdt)))
+    out = jnp.einsum("ecf,efd->ecd", h.astype(cdt), w2.astype(cdt))
+  else:
+    # The rows are already grouped by local expert, ep·C each (unfilled rows are zero and
+    # never read back), so the kernel sees equal static group sizes.
+    sizes = jnp.full((e_local,), ep * cap, jnp.int32)
+    out = moe_ops.grouped_experts(rows.reshape(-1, d), sizes, w1.astype(cdt), w3.astype(cdt),
+                                  w2.astype(cdt), act, gmm).reshape(e_local, ep * cap, d)
   out = out.reshape(e_local, ep, cap, d).transpose(1, 0, 2, 3)
   out = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)    # back: [ep (dest) …] = [E, C, D]
   out = out.reshape(num_experts * cap, d)
@@ -116,14 +127,15 @@ def _token_spec(ndim_lead: int, mesh) -> P:
 def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3: Array,
                   w2: Array, *, activation: str = "situ", beta1: float = 4.0,
                   beta2: float = 25.0, capacity_factor: float | None = None,
-                  capacity: int | None = None,
-                  num_valid: int | None = None) -> tuple[Array, Array]:
+                  capacity: int | None = None, num_valid: int | None = None,
+                  gmm: moe_ops.GroupedMatmul | None = None) -> tuple[Array, Array]:
   """`ops.moe.expert_mlp` with experts sharded over `expert` (global arrays in and out).
 
   x: [B, T, D] (batch over data/fsdp/expert, T over context) or [N, D] (N over all of them);
   weights/indices: the same leading dims + [k]; w1, w3 [E, D, F], w2 [E, F, D] (E over expert).
   `capacity` (rows per expert and source device) overrides `capacity_factor`.
   `num_valid` ([N, D] x only): rows from `num_valid` on are padding, left out of `dropped`.
+  `gmm`: the grouped matmul the local experts run through (None: batched einsums).
   Returns (y like x, dropped: int32 total over all devices). With `capacity_factor=None` (or
   large enough) it equals the unsharded `expert_mlp` up to float summation order.
   """
@@ -149,7 +161,7 @@ def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3:
     y, dropped = expert_mlp_local(
         x_.reshape(-1, shp[-1]), w_.reshape(-1, w_.shape[-1]), i_.reshape(-1, i_.shape[-1]),
         w1_, w3_, w2_, num_experts=num_experts, activation=activation, beta1=beta1,
-        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity, valid=valid)
+        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity, valid=valid, gmm=gmm)
     return y.reshape(shp), jax.lax.psum(dropped, sum_axes)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
@@ -175,14 +187,18 @@ def sharded_histogram(mesh, hist_fn, *args: Array) -> Array:
   return fn(*args)
 
 
-def maybe_expert_parallel(expert_mlp_fn: Callable) -> Callable:
+def maybe_expert_parallel(expert_mlp_fn: Callable,
+                          gmm: moe_ops.GroupedMatmul | None = None) -> Callable:
   """`expert_mlp_fn` itself, or — when the active mesh (`sharding.activate`) has expert > 1 —
-  a function with `ops.moe.expert_mlp`'s signature that runs it expert-parallel.
+  a function with its signature (`ops.moe.expert_mlp`'s, less `gmm`) that runs it
+  expert-parallel.
 
+  `gmm`: the grouped matmul `expert_mlp_fn` runs (None: its sorted einsum path); the
+  expert-parallel form runs the same kernel on each device's local experts (None: batched
+  einsums over the static [E/ep, ep·C, D] buffer), so the kernel choice holds on any mesh.
   The global `capacity` (rows per expert for all N tokens, or None = dropless) becomes
-  ceil(capacity · N_local / N) rows per expert and source device; `method` is ignored (the
-  local experts run as batched dense einsums over the static [E/ep, ep·C, D] buffer). N that
-  the token shards do not divide is padded (module docstring) and y sliced back to N rows.
+  ceil(capacity · N_local / N) rows per expert and source device. N that the token shards do
+  not divide is padded (module docstring) and y sliced back to N rows.
   """
   mesh = sharding.active_mesh()
   ep = sharding.axis_size(mesh, EXPERT)
@@ -190,8 +206,7 @@ def maybe_expert_parallel(expert_mlp_fn: Callable) -> Callable:
     return expert_mlp_fn
 
   def run(x, weights, indices, w1, w3, w2, *, activation="situ", beta1=4.0, beta2=25.0,
-          capacity=None, method="sort"):
-    del method
+          capacity=None):
     if w1.shape[0] % ep:
       raise ValueError(f"w1: {w1.shape[0]} experts are not divisible by the expert axis "
                        f"size {ep}")
@@ -206,7 +221,7 @@ def maybe_expert_parallel(expert_mlp_fn: Callable) -> Callable:
           [indices, jnp.broadcast_to(jnp.arange(k, dtype=indices.dtype), (pad, k))])
     y, dropped = expert_mlp_ep(mesh, x, weights, indices, w1, w3, w2, activation=activation,
                                beta1=beta1, beta2=beta2, capacity=local_cap,
-                               num_valid=n if pad else None)
+                               num_valid=n if pad else None, gmm=gmm)
     return (y[:n] if pad else y), dropped
 
   return run

@@ -2,8 +2,11 @@
 
 import pytest
 
+from k3jax.config import preset
 from k3jax.layers import backend
+from k3jax.ops import moe
 from k3jax.ops.kda import kda_chunked
+from pallas_kernels import moe_gmm
 
 
 def test_resolve():
@@ -23,5 +26,25 @@ def test_kda_falls_back_to_xla_for_unbounded_gates_and_packing():
   assert fn.func.__name__ == "kda_chunked_pallas"
 
 
-def test_moe_method():
-  assert backend.moe_method("xla") == "sort" and backend.moe_method("pallas") == "gmm"
+def test_moe_kernel():
+  # "xla": expert_mlp's sorted dense-einsum path (no grouped matmul); "pallas": the Pallas
+  # grouped matmul, passed to the op as its `gmm` argument.
+  xla = backend.kernels(preset("tiny"))
+  assert xla.backend == "xla" and xla.gmm is None and xla.expert_mlp is moe.expert_mlp
+  pallas = backend.kernels(preset("tiny", kernel_backend="pallas"))
+  assert pallas.backend == "pallas" and pallas.gmm is moe_gmm.gmm
+  assert pallas.expert_mlp.func is moe.expert_mlp
+  assert pallas.expert_mlp.keywords == {"gmm": moe_gmm.gmm}
+  assert backend.expert_mlp_fn(preset("tiny", kernel_backend="pallas")) is pallas.expert_mlp
+
+
+def test_kernels_resolved_once_per_config():
+  cfg = preset("tiny", kernel_backend="pallas")
+  ks = backend.kernels(cfg)
+  assert backend.kernels(cfg) is ks and backend.kernels(cfg.replace(dtype="bfloat16")) is ks
+  assert backend.kernels(preset("tiny", kernel_backend="auto")) is backend.kernels(
+      preset("tiny"))  # CPU: "auto" is "xla"
+  # The layers' KDA helper hands out the record's functions.
+  assert backend.kda_chunked_fn("pallas", lower_bound=cfg.kda_lower_bound) is ks.kda_chunked
+  assert backend.kda_chunked_fn("pallas", lower_bound=cfg.kda_lower_bound,
+                                packed=True) is ks.kda_chunked_packed

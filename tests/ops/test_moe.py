@@ -1,5 +1,7 @@
 """Tests for k3jax.ops.moe against slow, obviously correct numpy references."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,10 +10,23 @@ from hypothesis import given, settings, strategies as st
 
 from isolation import assert_isolated
 from k3jax.ops import moe
+from pallas_kernels import moe_gmm
 
+# The four ways to compute the routed experts: the dense reference, the sorted XLA path, and
+# expert-sorted rows through a grouped matmul passed in (ragged_dot, or the Pallas kernel,
+# interpreted on CPU).
+PATHS = {"reference": moe.expert_mlp_reference, "sort": moe.expert_mlp,
+         "ragged": functools.partial(moe.expert_mlp, gmm=moe.ragged_gmm),
+         "gmm": functools.partial(moe.expert_mlp, gmm=moe_gmm.gmm)}
 # One compile per (shape, option) instead of one per primitive: keeps the suite fast.
-_mlp = jax.jit(moe.expert_mlp, static_argnames=("activation", "beta1", "beta2", "capacity",
-                                                 "method"))
+_JIT = {name: jax.jit(fn, static_argnames=("activation", "beta1", "beta2", "capacity"))
+        for name, fn in PATHS.items()}
+
+
+def _mlp(*args, path="sort", **kwargs):
+  return _JIT[path](*args, **kwargs)
+
+
 _route = jax.jit(moe.route, static_argnames=("k",))
 
 
@@ -139,14 +154,11 @@ def test_capacity():
 
 
 # ----------------------------------------------------------------------------- expert_mlp
-METHODS = ("reference", "sort", "ragged", "gmm")
-
-
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("cap", [None, 3])
-def test_expert_mlp_matches_loop_reference(method, cap):
+def test_expert_mlp_matches_loop_reference(path, cap):
   x, w, idx, w1, w3, w2 = _problem(0, n=13, d=8, f=6, e=5, k=2)
-  y, dropped = _mlp(x, w, idx, w1, w3, w2, capacity=cap, method=method)
+  y, dropped = _mlp(x, w, idx, w1, w3, w2, capacity=cap, path=path)
   y_ref, d_ref = _np_expert_mlp(x, w, idx, w1, w3, w2, cap)
   assert y.dtype == jnp.float32 and dropped.dtype == jnp.int32
   np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
@@ -162,20 +174,20 @@ def test_sort_tiled_layout_many_tiles_per_expert():
   assert moe.sort_layout(64, 2, 16, None) == ("tiled", 240, 8)
   assert moe.sort_layout(64, 2, 16, 10) == ("buffer", 160, 10)
   for cap in (None, 10):
-    y, dr = _mlp(x, w, idx, w1, w3, w2, capacity=cap, method="sort")
+    y, dr = _mlp(x, w, idx, w1, w3, w2, capacity=cap, path="sort")
     y_ref, d_ref = _np_expert_mlp(x, w, idx, w1, w3, w2, cap)
     np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
     assert int(dr) == d_ref
   assert d_ref > 0  # the capacity run really drops
 
 
-@pytest.mark.parametrize("method,n,e", [
+@pytest.mark.parametrize("path,n,e", [
     ("sort", 13, 5),     # capacity-padded buffer layout
     ("sort", 64, 16),    # expert-aligned tiles
     ("ragged", 13, 5),
     ("gmm", 13, 5),
 ])
-def test_dropless_tokens_are_bitwise_isolated(method, n, e):
+def test_dropless_tokens_are_bitwise_isolated(path, n, e):
   """Dropless, a token's output and the gradients of its input and combine weights are
   bit-for-bit the same whatever the other tokens hold and wherever they are routed — which
   moves the token's rows inside the expert-sorted buffer. (With a capacity, tokens compete
@@ -184,7 +196,7 @@ def test_dropless_tokens_are_bitwise_isolated(method, n, e):
   alt = _problem(1, n=n, d=8, f=6, e=e, k=2)
   doc = np.arange(n) % 3 == 1
   assert not np.array_equal(np.asarray(alt[2])[~doc], np.asarray(idx)[~doc])  # routing moves
-  op = lambda *a: moe.expert_mlp(*a, method=method)[0]
+  op = lambda *a: PATHS[path](*a)[0]
   assert_isolated(op, [x, w, idx, w1, w3, w2], list(alt[:3]) + [w1, w3, w2], doc,
                   per_token=[True] * 3 + [False] * 3)
 
@@ -223,31 +235,31 @@ def test_sort_equals_reference_random_shapes(n, e, seed, data):
   cap = data.draw(st.one_of(st.none(), st.integers(1, n)))
   act = data.draw(st.sampled_from(["situ", "swiglu"]))
   x, w, idx, w1, w3, w2 = _problem(seed, n=n, d=4, f=3, e=e, k=k)
-  y, dr = _mlp(x, w, idx, w1, w3, w2, capacity=cap, method="sort", activation=act)
+  y, dr = _mlp(x, w, idx, w1, w3, w2, capacity=cap, path="sort", activation=act)
   npact = _np_situ if act == "situ" else (lambda a, b: a / (1 + np.exp(-a)) * b)
   y_ref, d_ref = _np_expert_mlp(x, w, idx, w1, w3, w2, cap, act=npact)
   np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
   assert int(dr) == d_ref
 
 
-@pytest.mark.parametrize("cap,methods,e", [(None, ("sort",), 4), (None, ("sort",), 16),
-                                           (4, ("sort", "ragged", "gmm"), 4)])
-def test_expert_mlp_gradients_agree(cap, methods, e):
+@pytest.mark.parametrize("cap,paths,e", [(None, ("sort",), 4), (None, ("sort",), 16),
+                                         (4, ("sort", "ragged", "gmm"), 4)])
+def test_expert_mlp_gradients_agree(cap, paths, e):
   # e=4: buffer layout; e=16 dropless: tiled layout.
   assert moe.sort_layout(24, 2, e, cap)[0] == ("tiled" if e == 16 else "buffer")
   x, w, idx, w1, w3, w2 = _problem(1, n=24, d=6, f=5, e=e, k=2)
   probe = jnp.asarray(np.random.default_rng(9).normal(size=x.shape), jnp.float32)
 
-  def loss(method):
+  def loss(path):
     def f(x, w, w1, w3, w2):
-      y, _ = moe.expert_mlp(x, w, idx, w1, w3, w2, capacity=cap, method=method)
+      y, _ = PATHS[path](x, w, idx, w1, w3, w2, capacity=cap)
       return jnp.sum(y * probe)
     return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(x, w, w1, w3, w2)
 
   g_ref = loss("reference")
   # The loop reference's derivative wrt the combine weights is the expert output itself.
-  for method in methods:
-    g = loss(method)
+  for path in paths:
+    g = loss(path)
     for a, b in zip(g, g_ref):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   # Independent check of d/dweights against the float64 loop reference.
@@ -263,7 +275,7 @@ def test_expert_mlp_gradients_agree(cap, methods, e):
 
 def test_expert_mlp_bf16_compute():
   x, w, idx, w1, w3, w2 = _problem(2, n=16, d=8, f=8, e=4, k=2)
-  y, _ = _mlp(x.astype(jnp.bfloat16), w, idx, w1, w3, w2, method="sort")
+  y, _ = _mlp(x.astype(jnp.bfloat16), w, idx, w1, w3, w2, path="sort")
   y_ref, _ = _np_expert_mlp(x, w, idx, w1, w3, w2)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.float32(y), y_ref, rtol=5e-2, atol=5e-2)
@@ -272,7 +284,7 @@ def test_expert_mlp_bf16_compute():
 def test_expert_mlp_jits_and_all_in_one_expert():
   x, w, _, w1, w3, w2 = _problem(3, n=9, d=4, f=4, e=4, k=2)
   idx = jnp.tile(jnp.array([[2, 0]], jnp.int32), (9, 1))
-  f = jax.jit(lambda x: moe.expert_mlp(x, w, idx, w1, w3, w2, method="sort", capacity=5))
+  f = jax.jit(lambda x: moe.expert_mlp(x, w, idx, w1, w3, w2, capacity=5))
   y, dropped = f(x)
   y_ref, d_ref = _np_expert_mlp(x, w, idx, w1, w3, w2, 5)
   np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
@@ -282,13 +294,13 @@ def test_expert_mlp_jits_and_all_in_one_expert():
 def test_expert_mlp_rejects_bad_input():
   x, w, idx, w1, w3, w2 = _problem(0, n=4, d=4, f=3, e=3, k=1)
   with pytest.raises(ValueError, match="w2"):
-    moe.expert_mlp(x, w, idx, w1, w3, w1, method="sort")
+    moe.expert_mlp(x, w, idx, w1, w3, w1)
   with pytest.raises(ValueError, match="x must be"):
     moe.expert_mlp(x[None], w, idx, w1, w3, w2)
   with pytest.raises(ValueError, match="weights"):
     moe.expert_mlp(x, w[:, :0], idx, w1, w3, w2)
-  with pytest.raises(ValueError, match="method"):
-    moe.expert_mlp(x, w, idx, w1, w3, w2, method="fast")
+  with pytest.raises(ValueError, match="gmm"):
+    moe.expert_mlp(x, w, idx, w1, w3, w2, gmm="fast")
   with pytest.raises(ValueError, match="activation"):
     moe.expert_mlp(x, w, idx, w1, w3, w2, activation="gelu")
   with pytest.raises(ValueError, match="indices"):

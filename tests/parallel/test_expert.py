@@ -1,14 +1,18 @@
 """Expert parallelism (k3jax/parallel/expert.py) against the unsharded `ops.moe.expert_mlp`
 on 8 simulated CPU devices."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from k3jax import sharding
+from k3jax.config import preset
+from k3jax.layers.moe import StableLatentMoE
 from k3jax.ops import moe as moe_ops
 from k3jax.parallel import expert as ep_lib
+from pallas_kernels import moe_gmm
 
 E, K, D, F = 8, 2, 6, 5
 B, T = 8, 4
@@ -33,8 +37,8 @@ MESHES = [dict(expert=8, data=1), dict(data=2, expert=4), dict(data=2, context=2
 def test_ep_equals_unsharded_when_dropless(mesh_cfg):
   x, w, idx, w1, w3, w2 = _inputs()
   mesh = sharding.make_mesh(sharding.MeshConfig(**mesh_cfg))
-  y_ref, d_ref = moe_ops.expert_mlp(x.reshape(-1, D), w.reshape(-1, K), idx.reshape(-1, K),
-                                    w1, w3, w2, method="reference")
+  y_ref, d_ref = moe_ops.expert_mlp_reference(x.reshape(-1, D), w.reshape(-1, K),
+                                              idx.reshape(-1, K), w1, w3, w2)
   y, dropped = jax.jit(lambda *a: ep_lib.expert_mlp_ep(mesh, *a))(x, w, idx, w1, w3, w2)
   np.testing.assert_allclose(y.reshape(-1, D), y_ref, rtol=1e-5, atol=1e-6)
   assert int(dropped) == int(d_ref) == 0
@@ -48,8 +52,8 @@ def test_ep_gradients_equal_unsharded():
     return jnp.sum(jnp.sin(ep_lib.expert_mlp_ep(mesh, x, w, idx, w1, w3, w2)[0]))
 
   def loss_ref(x, w, w1, w3, w2):
-    y, _ = moe_ops.expert_mlp(x.reshape(-1, D), w.reshape(-1, K), idx.reshape(-1, K),
-                              w1, w3, w2, method="reference")
+    y, _ = moe_ops.expert_mlp_reference(x.reshape(-1, D), w.reshape(-1, K),
+                                        idx.reshape(-1, K), w1, w3, w2)
     return jnp.sum(jnp.sin(y))
 
   g = jax.jit(jax.grad(loss_ep, argnums=(0, 1, 2, 3, 4)))(x, w, w1, w3, w2)
@@ -71,9 +75,8 @@ def test_ep_counts_drops_per_source_device():
   ys, total = [], 0
   for dev in range(8):
     sl = slice(dev * per, (dev + 1) * per) if per else slice(0, 0)
-    yi, di = moe_ops.expert_mlp(x[sl].reshape(-1, D), w[sl].reshape(-1, K),
-                                idx[sl].reshape(-1, K), w1, w3, w2, capacity=cap,
-                                method="reference")
+    yi, di = moe_ops.expert_mlp_reference(x[sl].reshape(-1, D), w[sl].reshape(-1, K),
+                                          idx[sl].reshape(-1, K), w1, w3, w2, capacity=cap)
     ys.append(yi)
     total += int(di)
   assert total > 0
@@ -97,7 +100,7 @@ def test_maybe_expert_parallel_pads_a_token_count_the_shards_do_not_divide(capac
   y, dropped = jax.jit(lambda *a: fn(*a, capacity=capacity))(x, w, idx, w1, w3, w2)
   assert y.shape == (n, D)
   if capacity is None:
-    y_ref, d_ref = moe_ops.expert_mlp(x, w, idx, w1, w3, w2, method="reference")
+    y_ref, d_ref = moe_ops.expert_mlp_reference(x, w, idx, w1, w3, w2)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     assert int(dropped) == int(d_ref) == 0
     return
@@ -105,8 +108,7 @@ def test_maybe_expert_parallel_pads_a_token_count_the_shards_do_not_divide(capac
   ys, total = [], 0
   for dev in range(8):
     sl = slice(dev * n_local, min((dev + 1) * n_local, n))
-    yi, di = moe_ops.expert_mlp(x[sl], w[sl], idx[sl], w1, w3, w2, capacity=1,
-                                method="reference")
+    yi, di = moe_ops.expert_mlp_reference(x[sl], w[sl], idx[sl], w1, w3, w2, capacity=1)
     ys.append(yi)
     total += int(di)
   assert total > 0
@@ -131,3 +133,82 @@ def test_experts_not_divisible_by_expert_axis():
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, expert=4))
   with pytest.raises(ValueError, match="not divisible by the expert axis"):
     ep_lib.expert_mlp_ep(mesh, x, w, idx, w1[:6], w3[:6], w2[:6])
+
+
+def _spy(calls):
+  """The Pallas grouped matmul (interpreted on CPU), recording the lhs shape of every call."""
+  def gmm(lhs, rhs, group_sizes):
+    calls.append(lhs.shape)
+    return moe_gmm.gmm(lhs, rhs, group_sizes)
+  return gmm
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_ep_runs_the_chosen_grouped_matmul(capacity_factor):
+  # The local experts go through the kernel passed in (three calls, each over E/ep groups of
+  # ep·C rows) and the result is the unsharded op's: dropless, on all tokens at once; with a
+  # capacity, on each device's tokens (ranks counted per source device).
+  x, w, idx, w1, w3, w2 = _inputs(5, skew=1.5 if capacity_factor else 0.0)
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, expert=4))
+  calls = []
+  y, dropped = jax.jit(lambda *a: ep_lib.expert_mlp_ep(
+      mesh, *a, capacity_factor=capacity_factor, gmm=_spy(calls)))(x, w, idx, w1, w3, w2)
+  n_local = B * T // 8
+  cap = moe_ops.capacity(n_local, K, E, capacity_factor)
+  rows = (E // 4) * (4 * cap)   # E/ep local experts × ep·C rows each
+  assert calls == [(rows, D), (rows, D), (rows, F)]
+  ys, total = [], 0
+  for dev in range(8):
+    sl = slice(dev * n_local, (dev + 1) * n_local)
+    yi, di = moe_ops.expert_mlp_reference(x.reshape(-1, D)[sl], w.reshape(-1, K)[sl],
+                                          idx.reshape(-1, K)[sl], w1, w3, w2,
+                                          capacity=None if capacity_factor is None else cap)
+    ys.append(yi)
+    total += int(di)
+  assert (total > 0) == (capacity_factor is not None)
+  assert int(dropped) == total
+  np.testing.assert_allclose(y.reshape(-1, D), jnp.concatenate(ys), rtol=1e-5, atol=1e-6)
+
+
+def test_ep_gradients_through_the_grouped_matmul_equal_unsharded():
+  x, w, idx, w1, w3, w2 = _inputs(6)
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, context=2, expert=2))
+
+  def loss_ep(x, w, w1, w3, w2):
+    y, _ = ep_lib.expert_mlp_ep(mesh, x, w, idx, w1, w3, w2, gmm=moe_gmm.gmm)
+    return jnp.sum(jnp.sin(y))
+
+  def loss_ref(x, w, w1, w3, w2):
+    y, _ = moe_ops.expert_mlp_reference(x.reshape(-1, D), w.reshape(-1, K),
+                                        idx.reshape(-1, K), w1, w3, w2)
+    return jnp.sum(jnp.sin(y))
+
+  g = jax.jit(jax.grad(loss_ep, argnums=(0, 1, 2, 3, 4)))(x, w, w1, w3, w2)
+  g_ref = jax.grad(loss_ref, argnums=(0, 1, 2, 3, 4))(x, w, w1, w3, w2)
+  for a, b_ in zip(g, g_ref):
+    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_cfg", [dict(data=2, expert=4), dict(data=2, context=2, expert=2)],
+                         ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
+def test_pallas_backend_on_an_expert_mesh_equals_single_device_xla(mesh_cfg):
+  """kernel_backend="pallas" with mesh.expert > 1: the layer runs expert-parallel *and* through
+  the Pallas grouped matmul (a pallas_call inside the shard_map), with the outputs and stats of
+  the single-device XLA layer (dropless, so per-device capacity cannot differ)."""
+  cfg = preset("tiny", moe_capacity_factor=None)
+  x = jax.random.normal(jax.random.key(7), (B, T, cfg.d_model), jnp.float32)
+  v = nn.unbox(StableLatentMoE(cfg).init(jax.random.key(0), x))
+
+  def apply(c):
+    return jax.jit(lambda v, x: StableLatentMoE(c).apply(v, x, mutable=["stats"]))
+
+  y_ref, st_ref = apply(cfg)(v, x)
+  pallas = cfg.replace(kernel_backend="pallas")
+  mesh = sharding.make_mesh(sharding.MeshConfig(**mesh_cfg))
+  with sharding.activate(mesh):
+    jaxpr = str(jax.make_jaxpr(lambda v, x: StableLatentMoE(pallas).apply(
+        v, x, mutable=["stats"]))(v, x))
+    y, st = apply(pallas)(v, x)
+  assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  jax.tree.map(np.testing.assert_array_equal, st, st_ref)

@@ -13,6 +13,7 @@ import pathlib
 import jax
 import numpy as np
 
+from k3jax import hf_config
 from k3jax.config import KDA, MLA, MOE, ModelConfig
 from k3jax.convert.safetensors_io import write_file
 from k3jax.quant import mx
@@ -167,5 +168,5 @@ def write_k3_checkpoint(directory: pathlib.Path, config: ModelConfig, variables:
     write_file(directory / fname, {n: tensors[n] for n in part})
     weight_map.update({n: fname for n in part})
   (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-  (directory / "config.json").write_text(json.dumps(config.to_hf_config("kimi_k3")))
+  (directory / "config.json").write_text(json.dumps(hf_config.to_hf_config(config, "kimi_k3")))
   return tensors

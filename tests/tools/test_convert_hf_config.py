@@ -38,7 +38,7 @@ def _arch(c):
 
 
 def test_published_kimi_linear_config_is_the_preset():
-  c = ModelConfig.from_hf_config(KIMI_LINEAR_48B)
+  c = hf_config.from_hf_config(KIMI_LINEAR_48B)
   assert _arch(c) == _arch(preset("kimi_linear_48b"))
   assert [i for i, (m, _) in enumerate(c.layer_types()) if m == "mla"] == [3, 7, 11, 15, 19, 23, 26]
 
@@ -46,14 +46,14 @@ def test_published_kimi_linear_config_is_the_preset():
 @pytest.mark.parametrize("name", ["k3", "kimi_linear_48b", "small", "tiny", "tiny_kimi_linear"])
 def test_round_trip_presets(name):
   c = preset(name)
-  d = c.to_hf_config()
+  d = hf_config.to_hf_config(c)
   assert d["model_type"] == ("kimi_linear" if name.startswith("kimi") or "kimi_linear" in name
                              else "kimi_k3")
-  assert _arch(ModelConfig.from_hf_config(d)) == _arch(c)
+  assert _arch(hf_config.from_hf_config(d)) == _arch(c)
 
 
 def test_k3_config_layout():
-  d = preset("k3").to_hf_config()
+  d = hf_config.to_hf_config(preset("k3"))
   tc = d["text_config"]
   assert tc["linear_attn_config"]["full_attn_layers"] == list(range(4, 93, 4)) + [93]
   assert len(tc["linear_attn_config"]["kda_layers"]) == 69
@@ -68,7 +68,7 @@ def test_transformers_layer_types_are_accepted():
   d["layer_types"] = ["full_attention" if i in (3, 7, 11, 15, 19, 23, 26) else "linear_attention"
                       for i in range(27)]
   d.update(linear_num_heads=32, linear_head_dim=128)
-  assert _arch(ModelConfig.from_hf_config(d)) == _arch(preset("kimi_linear_48b"))
+  assert _arch(hf_config.from_hf_config(d)) == _arch(preset("kimi_linear_48b"))
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -83,7 +83,7 @@ def test_unsupported_keys_are_refused(key, value, match):
   if key == "topk_group":
     d["num_expert_group"] = 4
   with pytest.raises(ValueError, match=match):
-    ModelConfig.from_hf_config(d)
+    hf_config.from_hf_config(d)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 8, 64])
@@ -91,28 +91,28 @@ def test_num_key_value_heads_is_ignored_and_reported(kv_heads):
   # transformers' KimiLinearAttention sizes no weight by num_key_value_heads (MLA shares one
   # latent KV across heads), so such a config is the same network as kv_heads == heads.
   d = dict(KIMI_LINEAR_48B, num_key_value_heads=kv_heads)
-  c = ModelConfig.from_hf_config(d)
+  c = hf_config.from_hf_config(d)
   assert _arch(c) == _arch(preset("kimi_linear_48b"))
   ignored = hf_config.ignored_keys(d)
   assert list(ignored) == ["num_key_value_heads"]
   assert f"{kv_heads} != num_attention_heads (32)" in ignored["num_key_value_heads"]
   # the round trip writes a config with nothing ignored, describing the same model
-  back = c.to_hf_config()
+  back = hf_config.to_hf_config(c)
   assert back["num_key_value_heads"] == back["num_attention_heads"] == 32
   assert hf_config.ignored_keys(back) == {}
-  assert _arch(ModelConfig.from_hf_config(back)) == _arch(c)
+  assert _arch(hf_config.from_hf_config(back)) == _arch(c)
 
 
 def test_num_key_value_heads_in_k3_text_config_is_reported():
-  d = preset("tiny").to_hf_config()
+  d = hf_config.to_hf_config(preset("tiny"))
   d["text_config"]["num_key_value_heads"] = 1
   assert list(hf_config.ignored_keys(d)) == ["num_key_value_heads"]
-  assert _arch(ModelConfig.from_hf_config(d)) == _arch(preset("tiny"))
+  assert _arch(hf_config.from_hf_config(d)) == _arch(preset("tiny"))
 
 
 def test_nothing_ignored_in_written_or_published_configs():
   for name in ("k3", "kimi_linear_48b", "tiny"):
-    assert hf_config.ignored_keys(preset(name).to_hf_config()) == {}, name
+    assert hf_config.ignored_keys(hf_config.to_hf_config(preset(name))) == {}, name
   assert hf_config.ignored_keys(KIMI_LINEAR_48B) == {}
 
 
@@ -121,9 +121,9 @@ def test_irregular_layer_layout_is_refused():
   d["linear_attn_config"] = dict(d["linear_attn_config"], full_attn_layers=[3, 8, 27],
                                  kda_layers=[i for i in range(1, 28) if i not in (3, 8, 27)])
   with pytest.raises(ValueError, match=r"full_attn_layers.*\[3, 8, 27\]"):
-    ModelConfig.from_hf_config(d)
+    hf_config.from_hf_config(d)
 
 
 def test_kimi_linear_cannot_express_k3_features():
   with pytest.raises(ValueError, match="attn_res_block_size"):
-    preset("tiny").to_hf_config("kimi_linear")
+    hf_config.to_hf_config(preset("tiny"), "kimi_linear")

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from k3jax import hf_config
-from k3jax.config import ModelConfig
 from k3jax.convert import convert, export
 from k3jax.convert.safetensors_io import Source
 from k3jax.model import K3Model
@@ -123,11 +122,11 @@ def test_transformers_ignores_num_key_value_heads():
 
   d = gqa.config.to_dict()
   assert list(hf_config.ignored_keys(d)) == ["num_key_value_heads"]
-  config = ModelConfig.from_hf_config(d)
-  assert config == ModelConfig.from_hf_config(ref.config.to_dict())
+  config = hf_config.from_hf_config(d)
+  assert config == hf_config.from_hf_config(ref.config.to_dict())
   # the round trip is a config transformers builds the same weights from, with nothing ignored
   # (token ids are not part of ModelConfig: transformers' defaults lie outside this tiny vocab)
-  back = config.to_hf_config("kimi_linear")
+  back = hf_config.to_hf_config(config, "kimi_linear")
   assert hf_config.ignored_keys(back) == {}
   assert back["num_key_value_heads"] == back["num_attention_heads"] == 2
   rebuilt = KimiLinearForCausalLM(KimiLinearConfig(
