@@ -163,8 +163,8 @@ class LayerGroup(nn.Module):
 def _maybe_remat(cls, cfg: ModelConfig, static_argnums=()):
   """`cls` rematerialised in the backward pass when `cfg.remat` — the one remat policy of the
   model, for the scanned groups and for the unrolled prefix / suffix / MTP layers alike
-  (without it the unrolled layers' saved residuals stayed live until the backward pass: 9 GiB
-  per chip for k3 on 2048 chips). `static_argnums` count self as 0."""
+  (otherwise the unrolled layers' saved residuals stay live until the backward pass; the k3
+  memory figures are in docs/notes/sharding.md). `static_argnums` count self as 0."""
   if not cfg.remat:
     return cls
   return nn.remat(cls, prevent_cse=False, static_argnums=static_argnums)

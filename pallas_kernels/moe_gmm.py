@@ -34,20 +34,13 @@ Lowering per platform (checked by tests/pallas_kernels/test_moe_gmm.py with `jax
         Serialising the Triton custom call needs `disabled_checks=[jax.export.DisabledSafetyCheck
         .custom_call("__gpu$xla.gpu.triton")]`.
 
-Shared memory on GPU (H200/sm_90: 232448 bytes per block). The first H200 run (jax 0.11.2, no
-compiler params: Triton's 4 warps / 3 stages, tiles 128³) failed in fp32 with "requested 327680".
-The tiles are independent of M, K, N and G (reductions loop inside the kernel), so the footprint
-is set by (bm, bk, bn), dtype, num_warps and num_stages alone. Measured by compiling the kernels'
-Triton IR (exported on CPU) with the `triton` 3.6 package for cuda sm_90 to LLVM IR, max over the
-three kernels (gmm, gmm for d lhs, tgmm), bytes:
-    fp32 128/128/128, 4 warps: 3 stages 394240 (XLA reported 327680), 2 stages 262656
-    fp32 128/64/128,  4 warps: 3 stages 295936, 2 stages 197120, 1 stage 98304
-    bf16 128/64/128,  4 warps: 3 stages 140288, 2 stages 90624
-    fp32  64/64/128,  4 warps: 3 stages 147456, 2 stages 98304  <- GPU_TILING, 2 stages
-(128/64/128 also checked at K3-like D=7168, F=3072: same figures as at D=F=256). TPU keeps
-DEFAULT_TILING. The gmm kernel masks the rows of each product rather than of the lhs tile:
-the same result (row r of a·b depends on row r of a only), and it avoids a boolean [bm, 1]
-broadcast in the dot-operand layout that Triton 3.6 fails to lower with one pipeline stage.
+Shared memory on GPU (sm_90: 232448 bytes per block) sets GPU_TILING and GPU_NUM_STAGES: the
+tiles are independent of M, K, N and G (reductions loop inside the kernel), so the footprint is
+set by (bm, bk, bn), dtype, num_warps and num_stages alone; the measured footprints are in
+docs/notes/pallas_kda.md ("Shared memory on the Triton target"). TPU keeps DEFAULT_TILING.
+The gmm kernel masks the rows of each product rather than of the lhs tile: the same result
+(row r of a·b depends on row r of a only), and it avoids a boolean [bm, 1] broadcast in the
+dot-operand layout that Triton 3.6 fails to lower with one pipeline stage.
 """
 
 from __future__ import annotations
