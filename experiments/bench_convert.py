@@ -12,7 +12,7 @@ cheap; repeats are longer than a compressor's window).
 
 The conversion runs in a child process (what `tools/convert_from_pytorch.py` does); the parent
 samples its /proc status (RSS split into anonymous and file-backed pages) and reads its peak
-RSS (ru_maxrss) at exit. Goal (issue 4): peak RSS ≤ 2 × largest tensor + 1 GiB.
+RSS (ru_maxrss) at exit. Goal: peak RSS ≤ 2 × largest tensor + 1 GiB.
 """
 
 from __future__ import annotations
