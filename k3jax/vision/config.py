@@ -1,0 +1,167 @@
+"""Vision tower configuration: one frozen dataclass and the named presets (spec §11).
+
+`VisionConfig` is data only, validated by its constructor (errors name the field). Two tower
+families share the whole pipeline (patch embedding → divided-fixed position embedding → pre-norm
+blocks with 2-D RoPE → final norm → `sd2_tpool` merger → projector) and differ in fields:
+
+  moonvit_v2   K3's released MoonViT-V2: RMSNorm, no biases, bilinear position resampling,
+               q/k/v width 1536 ≠ hidden 1024, post-norm projector.
+  moonvit_k25  Kimi K2.5/K2.6's MoonViT: LayerNorm and biases everywhere, hidden 1152, 16 heads
+               of 72, bicubic position resampling, pre-norm projector.
+
+Spec references: K3_SPEC.md §11 (the released layout wins over the report's prose).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+# Padded stream lengths the packer chooses from (patches): `jit` compiles once per bucket.
+DEFAULT_BUCKETS = tuple(2 ** k for k in range(8, 19))  # 256 … 262,144
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Architecture of a MoonViT tower and its projector into the text stream."""
+
+  name: str = "custom"
+  patch_size: int = 14
+  in_channels: int = 3
+  hidden_size: int = 1024                 # vt_hidden_size
+  num_layers: int = 27                    # vt_num_hidden_layers
+  num_heads: int = 12                     # vt_num_attention_heads
+  head_dim: int = 128                     # qkv_hidden_size / num_heads
+  intermediate_size: int = 4096           # vt_intermediate_size
+  norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+  norm_eps: float = 1e-5
+  use_bias: bool = False                  # every Linear/conv of the tower and the projector
+
+  # --- divided-fixed absolute position (§11)
+  pos_emb_height: int = 64                # init_pos_emb_height
+  pos_emb_width: int = 64                 # init_pos_emb_width
+  pos_emb_interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+  max_frames: int = 4                     # rows of the fixed sin-cos time table (not resampled)
+
+  # --- 2-D RoPE (§11)
+  rope_theta: float = 10000.0
+  # "rows_then_cols": complex pairs [0, P/2) rotate by the row, [P/2, P) by the column (K3 §11).
+  # "interleaved_cols_rows": pair 2j by the column, 2j+1 by the row, both with frequency j
+  #   (Kimi-VL / K2.5's MoonViT: `transformers`' Kimi_K25VisionRotaryEmbedding recomposition).
+  rope_layout: Literal["rows_then_cols", "interleaved_cols_rows"] = "rows_then_cols"
+  max_grid_side: int = 512                # rows/cols per sample the RoPE tables cover
+  max_patches_per_frame: int = 65536      # preprocessing budget (256×256 patches)
+
+  # --- merger and projector (§11)
+  merge_kernel: tuple[int, int] = (2, 2)  # sd2_tpool: only 2×2 is defined
+  projector_norm: Literal["post", "pre"] = "post"  # post: RMSNorm(7168) after; pre: LN(hidden) before
+  projector_norm_eps: float = 1e-5
+  text_hidden_size: int = 7168            # projector output width = the text model's d_model
+
+  # --- packing and numerics
+  pack_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    self.validate()
+
+  # ------------------------------------------------------------------ derived quantities
+  @property
+  def qkv_hidden_size(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def patch_dim(self) -> int:
+    """Flattened patch width, in (channel, row, col) order: 3·14·14 = 588."""
+    return self.in_channels * self.patch_size * self.patch_size
+
+  @property
+  def merged_dim(self) -> int:
+    """Width of one merged token: 4 · hidden."""
+    return self.merge_kernel[0] * self.merge_kernel[1] * self.hidden_size
+
+  def replace(self, **overrides: Any) -> "VisionConfig":
+    return dataclasses.replace(self, **overrides)
+
+  # ------------------------------------------------------------------ validation
+  def validate(self) -> None:
+    def bad(field: str, msg: str):
+      raise ValueError(f"VisionConfig.{field}: {msg}")
+
+    for f in ("patch_size", "in_channels", "hidden_size", "num_layers", "num_heads", "head_dim",
+              "intermediate_size", "pos_emb_height", "pos_emb_width", "max_frames",
+              "max_grid_side", "max_patches_per_frame", "text_hidden_size"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        bad(f, f"expected a positive int, found {v!r}")
+    if self.norm not in ("rmsnorm", "layernorm"):
+      bad("norm", f"expected 'rmsnorm' or 'layernorm', found {self.norm!r}")
+    if self.pos_emb_interpolation not in ("bilinear", "bicubic"):
+      bad("pos_emb_interpolation", f"expected 'bilinear' or 'bicubic', found "
+          f"{self.pos_emb_interpolation!r}")
+    if self.rope_layout not in ("rows_then_cols", "interleaved_cols_rows"):
+      bad("rope_layout", f"expected 'rows_then_cols' or 'interleaved_cols_rows', found "
+          f"{self.rope_layout!r}")
+    if self.projector_norm not in ("post", "pre"):
+      bad("projector_norm", f"expected 'post' or 'pre', found {self.projector_norm!r}")
+    # Two rotation axes, each over an equal number of complex pairs: head_dim % 4 == 0.
+    if self.head_dim % 4:
+      bad("head_dim", f"2-D RoPE needs a multiple of 4, found {self.head_dim}")
+    if self.hidden_size % 2:
+      bad("hidden_size", f"the sin-cos time table needs an even width, found {self.hidden_size}")
+    if tuple(self.merge_kernel) != (2, 2):
+      bad("merge_kernel", f"sd2_tpool is defined for (2, 2) only, found {self.merge_kernel!r}")
+    for f in ("norm_eps", "projector_norm_eps", "rope_theta"):
+      if not getattr(self, f) > 0:
+        bad(f, f"expected a positive float, found {getattr(self, f)!r}")
+    b = self.pack_buckets
+    if (not b or any(not isinstance(x, int) or x <= 0 or x % 4 for x in b)
+        or list(b) != sorted(set(b))):
+      bad("pack_buckets", f"expected strictly increasing positive multiples of 4, found {b!r}")
+    for f in ("dtype", "param_dtype"):
+      if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+        bad(f, f"expected 'float32', 'bfloat16' or 'float16', found {getattr(self, f)!r}")
+
+
+# ---------------------------------------------------------------------- presets
+def _moonvit_v2() -> dict:
+  return dict(name="moonvit_v2")  # the dataclass defaults are K3's released tower (§11)
+
+
+def _moonvit_k25() -> dict:
+  return dict(
+      name="moonvit_k25", hidden_size=1152, num_layers=27, num_heads=16, head_dim=72,
+      intermediate_size=4304, norm="layernorm", norm_eps=1e-5, use_bias=True,
+      pos_emb_interpolation="bicubic", rope_layout="interleaved_cols_rows",
+      projector_norm="pre", projector_norm_eps=1e-5, text_hidden_size=7168)
+
+
+def _tiny(base: dict, name: str) -> dict:
+  # Seconds per test: 2 layers, 2 heads of 16, an 8×8 position table, small buckets.
+  return {**base, **dict(
+      name=name, hidden_size=32, num_layers=2, num_heads=2, head_dim=16, intermediate_size=64,
+      pos_emb_height=8, pos_emb_width=8, max_grid_side=32, text_hidden_size=48,
+      pack_buckets=(64, 128, 256))}
+
+
+PRESETS = {
+    "moonvit_v2": _moonvit_v2,
+    "moonvit_k25": _moonvit_k25,
+    "tiny_moonvit_v2": lambda: _tiny(_moonvit_v2(), "tiny_moonvit_v2"),
+    "tiny_moonvit_k25": lambda: _tiny(_moonvit_k25(), "tiny_moonvit_k25"),
+}
+
+
+def vision_preset(name: str, **overrides: Any) -> VisionConfig:
+  """A validated vision preset, with `overrides` applied (unknown fields raise ValueError)."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown vision preset {name!r}; expected one of {sorted(PRESETS)}")
+  fields = {f.name for f in dataclasses.fields(VisionConfig)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(f"unknown VisionConfig field(s) {unknown}")
+  return VisionConfig(**{**PRESETS[name](), **overrides})
+
+
+__all__ = ["VisionConfig", "vision_preset", "PRESETS", "DEFAULT_BUCKETS"]
