@@ -175,7 +175,8 @@ def packed_attention(q, k, v, segment_ids, *, scale: float | None = None,
     raise ValueError(f"packed_attention: q {q.shape}, k {k.shape}, v {v.shape}, segment_ids "
                      f"{segment_ids.shape} must share [B, L, H] = [{b}, {l}, {h}]")
   scale = dk ** -0.5 if scale is None else scale
-  vf = v.astype(jnp.float32)
+  # Zero the padding values too: 0·nan would leak a non-finite padding patch into every row.
+  vf = jnp.where((segment_ids >= 0)[..., None, None], v.astype(jnp.float32), 0.0)
 
   def block(qb, sq):  # qb [B, T, H, Dk], sq [B, T]
     logits = jnp.einsum("bthd,bshd->bhts", qb, k, preferred_element_type=jnp.float32) * scale
