@@ -157,3 +157,50 @@ def test_patch_embed_is_the_conv():
   got = ops.patch_embed(jnp.asarray(px), jnp.asarray(w.reshape(6, -1).T), jnp.asarray(b))
   np.testing.assert_allclose(got, want, atol=1e-4)
 
+
+
+def test_k25_rope_layout_matches_transformers():
+  """`interleaved_cols_rows` is Kimi K2.5's layout: `transformers`' rotate-half RoPE on q/k
+  permuted as its converter does (PermuteForRope: per head [D/2, 2] → [2, D/2]) equals ours
+  on the released (unpermuted) layout."""
+  torch = pytest.importorskip("torch")
+  m = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
+  from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
+  cfg = Kimi_K25VisionConfig(hidden_size=64, num_attention_heads=2, intermediate_size=32,
+                             num_hidden_layers=1)
+  h, w, heads, dh = 4, 6, 2, 32
+  pos = m.get_vision_position_ids(torch.tensor([[1, h, w]]), spatial_merge_size=1)
+  cos, sin = m.Kimi_K25VisionRotaryEmbedding(cfg)(torch.zeros(1), pos)
+  x = torch.from_numpy(RNG.randn(1, h * w, heads, dh).astype(np.float32))
+  permuted = x.view(1, h * w, heads, dh // 2, 2).transpose(-1, -2).reshape(x.shape)
+  y, _ = m.apply_rotary_pos_emb_vision(permuted, permuted, cos, sin)
+  want = y.view(1, h * w, heads, 2, dh // 2).transpose(-1, -2).reshape(x.shape)[0].numpy()
+  rows, cols = np.repeat(np.arange(h), w), np.tile(np.arange(w), h)
+  got = ops.apply_rope(jnp.asarray(x[0].numpy()), ops.rope_angles(
+      jnp.asarray(rows), jnp.asarray(cols), dh, theta=cfg.rope_parameters["rope_theta"],
+      layout="interleaved_cols_rows"))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_k25_position_embedding_matches_transformers():
+  """Bicubic spatial table + sin-cos time table (t > 1 only) = `transformers`' K2.5
+  Kimi_K25VisionPositionEmbeddings, for an image and a 3-frame clip packed together."""
+  torch = pytest.importorskip("torch")
+  m = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
+  from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
+  from k3jax.vision import pack, vision_preset
+  d = 64
+  hf = m.Kimi_K25VisionPositionEmbeddings(Kimi_K25VisionConfig(
+      hidden_size=d, num_attention_heads=2, intermediate_size=32, num_hidden_layers=1,
+      pos_emb_height=8, pos_emb_width=8))
+  table = RNG.randn(8, 8, d).astype(np.float32)
+  grid = np.array([[1, 4, 6], [3, 10, 12]])
+  with torch.no_grad():
+    hf.position_embeddings.copy_(torch.from_numpy(table))
+    want = hf(torch.zeros(int(np.prod(grid, 1).sum()), d), torch.from_numpy(grid)).numpy()
+  meta = pack(vision_preset("tiny_moonvit_k25", pack_buckets=(512,)), grid).meta
+  got = ops.divided_fixed_pos_emb(
+      jnp.asarray(table), *(jnp.asarray(meta[k]) for k in (
+          "rows", "cols", "frames", "heights", "widths", "num_frames")),
+      mode="bicubic", max_frames=4)
+  np.testing.assert_allclose(np.asarray(got)[:len(want)], want, atol=1e-5)
