@@ -208,3 +208,16 @@ def test_bad_pixel_values_and_stage():
     encode(cfg, {}, np.zeros((4, 3, 16, 16), np.float32), np.array([[1, 2, 2]]))
   with pytest.raises(ValueError, match="stage"):
     encode(cfg, {}, np.zeros((4, 3, 14, 14), np.float32), np.array([[1, 2, 2]]), stage="x")
+
+
+def test_one_compile_per_bucket():
+  """Different mixes of sample sizes that fit one bucket reuse one compiled program."""
+  from k3jax.vision import tower
+  cfg, variables = _variables("tiny_moonvit_v2", seed=5)
+  cfg = cfg.replace(pack_buckets=(96,))   # a config no other test uses: a fresh cache entry
+  before = tower._run_jit._cache_size()
+  for grid in ([[1, 4, 6]], [[2, 2, 4], [1, 6, 2]], [[4, 4, 4], [1, 2, 2]]):
+    grid = np.array(grid)
+    out = encode(cfg, variables, _pixels(grid), grid, stage="merged")
+    assert out.shape[0] == sum((h // 2) * (w // 2) for _, h, w in grid)
+  assert tower._run_jit._cache_size() == before + 1
