@@ -1,12 +1,14 @@
 """Native vision for K3: MoonViT-V2 (and K2.5's MoonViT), the merger and the projector (§11).
 
-Public API: `VisionConfig`, `vision_preset`, `init_vision`, `encode`, `pack`; the math lives in
+Public API: `VisionConfig`, `vision_preset`, `vision_config_from_hf`, `init_vision`, `encode`,
+`pack`; the math lives in
 `k3jax.vision.ops`, the modules in `k3jax.vision.tower`, checkpoint names in `k3jax.vision.names`.
 """
 
-from k3jax.vision.config import VisionConfig, vision_preset
+from k3jax.vision.config import (VisionConfig, vision_config_from_hf, vision_config_to_hf,
+                                  vision_preset)
 from k3jax.vision.packing import Packing, pack
 from k3jax.vision.tower import VisionModel, encode, init_vision
 
-__all__ = ["VisionConfig", "vision_preset", "Packing", "pack", "VisionModel", "encode",
-           "init_vision"]
+__all__ = ["VisionConfig", "vision_preset", "vision_config_from_hf", "vision_config_to_hf",
+           "Packing", "pack", "VisionModel", "encode", "init_vision"]
