@@ -1,8 +1,8 @@
 """Native vision for K3: MoonViT-V2 (and K2.5's MoonViT), the merger and the projector (§11).
 
 Public API: `VisionConfig`, `vision_preset`, `vision_config_from_hf`, `init_vision`, `encode`,
-`pack`; the math lives in
-`k3jax.vision.ops`, the modules in `k3jax.vision.tower`, checkpoint names in `k3jax.vision.names`.
+`pack`. The math lives in `k3jax.vision.ops`, the modules in `k3jax.vision.tower`, release
+tensor names in `k3jax.vision.names`.
 """
 
 from k3jax.vision.config import (VisionConfig, vision_config_from_hf, vision_config_to_hf,
