@@ -107,26 +107,6 @@ def tpu_devices(topology: str, num_devices: int) -> list:
   return devices
 
 
-def _abstract_train_state(config, cfg):
-  """(tx, raw train step, boxed variables, abstract TrainState) of the trainer's optimizer for
-  the run config `cfg`: shapes and dtypes only, nothing allocated."""
-  import jax
-  import jax.numpy as jnp
-  import flax.linen as nn
-
-  from k3jax.model import K3Model
-  from k3jax.train import trainer
-  from k3jax.train.step import TrainState
-
-  tx, _, step_fn, _ = trainer._build(cfg, config, jit_step=lambda f: f)   # the raw step
-  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                         jnp.zeros((1, 8), jnp.int32))
-  variables = nn.unbox({c: boxed[c] for c in ("params", "balance")})
-  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
-                     balance=variables["balance"], opt_state=jax.eval_shape(tx.init, variables))
-  return tx, step_fn, boxed, state
-
-
 def _shard_gib(tree, shardings, host: bool = False) -> float:
   """GiB of one device's shards of `tree` in host ("pinned_host") or device memory."""
   import jax
@@ -143,10 +123,9 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
                 offload_momentum: bool = False) -> dict:
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   from k3jax import sharding
-  from k3jax.train import trainer
+  from k3jax.train import sharded, trainer
 
   layout = dict(layout or LAYOUTS[num_devices])
   if target == "tpu":
@@ -160,8 +139,6 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   layout = {a: int(s) for a, s in mesh.shape.items()}
   config = _model_config(preset_name, num_layers, param_dtype)
   batch_size = per_device_batch * sharding.axis_size(mesh, sharding.BATCH_AXES)
-  sharding.check_shapes(config, mesh, batch_size=batch_size, seq_len=seq_len)
-  rules = sharding.axis_rules(param_axes=PARAM_AXES)
 
   cfg = trainer.base_config("tiny")
   cfg.train.batch_size = batch_size
@@ -170,24 +147,15 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   cfg.optim.mu_dtype = mu_dtype
   cfg.optim.offload_momentum = offload_momentum
   t0 = time.perf_counter()
-  _, step_fn, boxed, state = _abstract_train_state(config, cfg)
-  state_sh = sharding.train_state_shardings(mesh, state, boxed, rules, offload_momentum)
+  # The trainer's own step on this mesh (shapes checked against it), lowered from abstract
+  # values: no parameter is ever allocated.
+  step = sharded.build_step(cfg, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  state, state_sh = step.train.abstract_state, step.train.state_shardings
   keys = ("inputs", "targets", "segment_ids", "mtp_targets")
   batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in keys}
   batch.update({k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
                 for k in ("loss_mask", "mtp_mask")})
-  batch_sh = sharding.batch_shardings(mesh, batch)
-
-  def traced(s, b):
-    with sharding.activate(mesh, rules, param_shardings=state_sh.params):
-      return step_fn(s, b)
-
-  abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
-  lowered = jax.jit(traced, in_shardings=(state_sh, batch_sh),
-                    out_shardings=(state_sh, NamedSharding(mesh, P())),
-                    donate_argnums=(0,)).lower(abstract(state, state_sh),
-                                               abstract(batch, batch_sh))
+  lowered = step.train.lower(state, batch)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
@@ -229,17 +197,17 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
   import jax
 
   from k3jax import sharding
-  from k3jax.train import trainer
+  from k3jax.train import sharded, trainer
 
   layout = LAYOUTS[num_devices]
   mesh = sharding.abstract_mesh(layout, num_devices)
   config = _model_config("k3", None, param_dtype)
-  rules = sharding.axis_rules(param_axes=PARAM_AXES)
   cfg = trainer.base_config("tiny")
+  cfg.train.batch_size = sharding.axis_size(mesh, sharding.BATCH_AXES)   # one sequence each
   cfg.optim.mu_dtype = mu_dtype
   cfg.optim.offload_momentum = offload_momentum
-  _, _, boxed, state = _abstract_train_state(config, cfg)
-  sh = sharding.train_state_shardings(mesh, state, boxed, rules, offload_momentum)
+  step = sharded.build_step(cfg, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  state, sh = step.train.abstract_state, step.train.state_shardings
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / 2.0 ** 30
   return dict(part="state", devices=num_devices, layout=layout, param_axes=list(PARAM_AXES),
               param_dtype=param_dtype, mu_dtype=mu_dtype or "params",
@@ -261,13 +229,11 @@ def ep_part(layout_key: str, steps: int, batch_size: int, seq_len: int,
             num_layers: int = 0) -> dict:
   """One layout of the EP comparison (each in its own process: peak memory of one compile)."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
   from k3jax import sharding
-  from k3jax.model import K3Model
   from k3jax.train import data as data_lib
-  from k3jax.train import trainer
+  from k3jax.train import sharded, trainer
   from k3jax.train.step import create_state
 
   import jax as _jax
@@ -278,11 +244,7 @@ def ep_part(layout_key: str, steps: int, batch_size: int, seq_len: int,
   if num_layers:
     cfg.model.num_layers = num_layers
   config = trainer.model_config(cfg)
-  mesh = sharding.make_mesh(layout)
-  sharding.check_shapes(config, mesh, batch_size=batch_size, seq_len=seq_len)
-  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                         jnp.zeros((1, 8), jnp.int32))
-  tx, _, step_fn, _ = trainer._build(cfg, config, sharding.make_jit_step(mesh, boxed))
+  tx, _, step_fn, _ = sharded.build_step(cfg, config, sharding.make_mesh(layout))
   state = create_state(config, jax.random.PRNGKey(0), tx)
   rng = np.random.default_rng(0)
   batch = data_lib.pack_windows(rng.integers(0, 256, size=(batch_size, seq_len + 2)))

@@ -46,32 +46,17 @@ _KEEP_ALLOCS = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def mesh_jit_step(cfg):
-  """The trainer's `jit_step` for cfg.mesh, or None when the run is single-device (a
-  one-device mesh when `optim.offload_momentum` asks for host memory: that needs explicit
-  shardings)."""
-  import jax
-  import jax.numpy as jnp
+def run_mesh(cfg):
+  """The mesh cfg.mesh asks for, or None when the run is single-device (a one-device mesh when
+  `optim.offload_momentum` asks for host memory: that needs explicit shardings)."""
   from k3jax import sharding
-  from k3jax.model import K3Model
-  from k3jax.train.trainer import model_config
   mesh_cfg = cfg.get("mesh")
   offload = bool(cfg.optim.get("offload_momentum", False))
   if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)) and not offload:
     return None
-  config = model_config(cfg)
   mesh = sharding.make_mesh(mesh_cfg)
-  accum = cfg.train.get("grad_accum", 1)
-  micro = cfg.train.batch_size // accum if cfg.train.batch_size % accum == 0 else None
-  # Each micro-batch is split over the batch axes (validate() names an indivisible grad_accum).
-  sharding.check_shapes(config, mesh, batch_size=micro if micro else cfg.train.batch_size,
-                        seq_len=cfg.train.seq_len)
-  rules = sharding.axis_rules(fsdp_over_data=bool(mesh_cfg.get("fsdp_over_data", False))
-                              if mesh_cfg is not None else False)
-  boxed = jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                         jnp.zeros((1, 8), jnp.int32))
   logging.getLogger("k3jax.train").info("mesh %s", dict(mesh.shape))
-  return sharding.make_jit_step(mesh, boxed, rules, offload_momentum=offload)
+  return mesh
 
 
 def main(argv):
@@ -88,7 +73,7 @@ def main(argv):
     from k3jax import sharding
     sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from k3jax.train.trainer import train
-  records = train(_CONFIG.value, _WORKDIR.value, jit_step=mesh_jit_step(_CONFIG.value))
+  records = train(_CONFIG.value, _WORKDIR.value, mesh=run_mesh(_CONFIG.value))
   if records:
     last = records[-1]
     print(f"step {last['step']}: loss {last['loss']:.4f}, "

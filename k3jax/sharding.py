@@ -1,4 +1,4 @@
-"""Meshes, the logical-axis rules, and the shardings of params, optimizer state, batches, caches.
+"""Meshes, the logical-axis rules, and the shardings of params, batches, activations, caches.
 
 This is the only module that knows mesh axis names. Modules annotate parameters with *logical*
 axis names (docs/contracts.md) through `nn.with_logical_partitioning`; `LOGICAL_AXIS_RULES` maps
@@ -10,27 +10,34 @@ them onto the five mesh axes:
   context  the sequence axis (KDA state passing / MLA latent gathering in k3jax/parallel)
   tensor   heads / MLP hidden / vocab (Megatron style)
 
+The mesh a model runs under is JAX's own: `with jax.set_mesh(mesh):` around the *call* of a
+jitted function (JAX refuses it inside a trace; the call traces inside the context, and JAX's
+jit cache keys on it). Traced code reads it back with `jax.sharding.get_abstract_mesh()`: the
+layers' expert-/context-parallel paths (k3jax/parallel) and `constrain_activations`. Nothing
+here remembers a mesh. The logical-axis rules are applied explicitly (`param_shardings(...,
+rules)`), never through flax's rules context at trace time. Shardings of the training state and
+the jitted train step are in k3jax/train/sharded.py.
+
 Usage:
   mesh = make_mesh(MeshConfig(expert=4))                      # data = -1 fills the rest
   p_sh = param_shardings(mesh, jax.eval_shape(model.init, ...))  # boxed (Partitioned) tree
-  o_sh = opt_state_shardings(mesh, jax.eval_shape(tx.init, params), params, p_sh)
   b_sh = batch_sharding(mesh)                                 # [B, T, ...] arrays
   check_shapes(model_config, mesh, batch_size=B, seq_len=T)   # clear errors before compiling
+  with jax.set_mesh(mesh):                                    # around the jitted call:
+    out = jax.jit(model.apply)(variables, tokens)             # EP / CP paths, constraints
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.tree_paths import key_names
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 # Mesh axes that split the batch of tokens (the expert axis is a batch axis outside the MoE).
@@ -174,40 +181,20 @@ def axis_size(mesh: Mesh | jax.sharding.AbstractMesh | None, name: str | Sequenc
   return math.prod(shape.get(n, 1) for n in names)
 
 
-# --------------------------------------------------------------------------- active mesh hook
-# The mesh a traced model runs under. Layers (through k3jax/layers/backend.py) read it to pick
-# the expert-parallel / context-parallel paths; nothing is read when no mesh is active.
-_ACTIVE: list[tuple[Mesh, Any]] = []   # (mesh, param shardings or None)
+# ----------------------------------------------------------------- the mesh and constraints
+def activate(mesh: Mesh) -> jax.set_mesh:
+  """`jax.set_mesh(mesh)` itself, under the name older callers use: enter it around the call of
+  a jitted model, never inside one. Nothing is stored here."""
+  return jax.set_mesh(mesh)
 
 
-@contextlib.contextmanager
-def activate(mesh: Mesh, rules: Sequence[tuple[str, Any]] | None = None,
-             param_shardings: Any = None) -> Iterator[Mesh]:
-  """Run (trace) a model under `mesh`: enables the parallel paths and flax's logical rules.
-  `param_shardings` (the params' NamedSharding tree, optional): what `constrain_like_params`
-  pins gradients to."""
-  rules = LOGICAL_AXIS_RULES if rules is None else tuple(rules)
-  _ACTIVE.append((mesh, param_shardings))
-  try:
-    with nn.logical_axis_rules(rules):
-      yield mesh
-  finally:
-    _ACTIVE.pop()
-
-
-def active_mesh() -> Mesh | None:
-  """The mesh set by the innermost `activate`, or None."""
-  return _ACTIVE[-1][0] if _ACTIVE else None
-
-
-def constrain_like_params(grads: Any) -> Any:
-  """Gradients pinned to the params' shardings (given to `activate`); unchanged otherwise.
+def constrain_like_params(grads: Any, shardings: Any) -> Any:
+  """`grads` pinned to `shardings` (the params' NamedSharding tree, same structure); unchanged
+  when `shardings` is None.
 
   So the optimizer update runs on shards whatever layout XLA's propagation picked for the
-  backward pass (k3 on 2048 v5p chips: the whole-vocabulary fp32 embedding / lm_head
-  gradient buffers of session 4's buffer report are gone; `memory_analysis()` temporaries
-  112.45 → 112.11 GiB, docs/notes/sharding.md)."""
-  shardings = _ACTIVE[-1][1] if _ACTIVE else None
+  backward pass: without it XLA may build a whole-vocabulary fp32 embedding / lm_head gradient
+  on every device before scattering it (docs/notes/sharding.md)."""
   if shardings is None:
     return grads
   return jax.lax.with_sharding_constraint(grads, shardings)
@@ -280,47 +267,6 @@ def param_shardings(mesh: Mesh, abstract_tree: Any,
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def opt_state_shardings(mesh: Mesh, abstract_opt_state: Any, params: Any,
-                        param_sh: Any, offload_momentum: bool = False) -> Any:
-  """Optimizer state sharded like the params it mirrors; everything else replicated.
-
-  A state leaf mirrors a param when the param's tree path is a suffix of the leaf's path and
-  the shapes agree (optax's mu/nu/momentum trees). Leaves that match no param (counts,
-  factored statistics) are replicated. `offload_momentum`: Per-Head Muon's momentum (the `mu`
-  of a `MuonState`) goes to host memory (memory kind "pinned_host"), for
-  `make_optimizer(offload_momentum=True)`.
-  """
-  from k3jax.train.optim import MuonState   # the optimizer's state type (no import cycle)
-
-  table: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding]] = {}
-  flat_p = jax.tree_util.tree_flatten_with_path(params)[0]
-  flat_s = jax.tree_util.tree_leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
-  if len(flat_p) != len(flat_s):
-    raise ValueError(f"param_sh: expected {len(flat_p)} shardings (one per param), "
-                     f"found {len(flat_s)}")
-  for (path, leaf), sh in zip(flat_p, flat_s):
-    table[key_names(path)] = (tuple(leaf.shape), sh)
-
-  def one(path, leaf):
-    names = key_names(path)
-    for start in range(len(names)):
-      hit = table.get(names[start:])
-      if hit is not None and hit[0] == tuple(getattr(leaf, "shape", ())):
-        return hit[1]
-    return NamedSharding(mesh, P())
-
-  out = jax.tree_util.tree_map_with_path(one, abstract_opt_state)
-  if not offload_momentum:
-    return out
-  is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
-  if not any(is_muon(x) for x in jax.tree.leaves(out, is_leaf=is_muon)):
-    raise ValueError("offload_momentum=True: the optimizer state has no MuonState "
-                     "(optim.muon=False?), so there is no momentum to offload")
-  return jax.tree.map(
-      lambda x: MuonState(mu=jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), x.mu))
-      if is_muon(x) else x, out, is_leaf=is_muon)
-
-
 def batch_spec(ndim: int, context: bool = True) -> P:
   """[B, T, ...] → (batch axes, context); rank 1 → batch axes only; scalars replicated."""
   if ndim == 0:
@@ -331,14 +277,14 @@ def batch_spec(ndim: int, context: bool = True) -> P:
 
 
 def constrain_activations(tree: Any, *, context: bool = True) -> Any:
-  """Under an active mesh (`activate`): every array [..., B, T, d] of `tree` constrained to
-  batch over (data, fsdp, expert), T over context (unless `context=False`), d replicated — the
-  layout of the residual stream between layers. Without the constraint XLA may carry the FSDP
-  sharding of the weights' `embed` dim into the activations, which then hold the whole global
-  batch on every device (docs/notes/sharding.md). Axes a dimension does not divide are dropped.
-  Without an active mesh the tree is returned unchanged."""
-  mesh = active_mesh()
-  if mesh is None:
+  """Under a mesh (JAX's, `jax.set_mesh`): every array [..., B, T, d] of `tree`
+  constrained to batch over (data, fsdp, expert), T over context (unless `context=False`), d
+  replicated — the layout of the residual stream between layers. Without the constraint XLA may
+  carry the FSDP sharding of the weights' `embed` dim into the activations, which then hold the
+  whole global batch on every device (docs/notes/sharding.md). Axes a dimension does not divide
+  are dropped. Without a mesh the tree is returned unchanged."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
     return tree
 
   def one(x):
@@ -399,26 +345,7 @@ def check_shapes(config: Any, mesh: Mesh | jax.sharding.AbstractMesh, *,
         f"batch_size: {batch_size} is not divisible by the batch axes data*fsdp*expert = {nb}")
 
 
-# ------------------------------------------------------------------------- jitted steps
-def train_state_shardings(mesh: Mesh, state: Any, logical_variables: Any,
-                          rules: Sequence[tuple[str, Any]] | None = None,
-                          offload_momentum: bool = False) -> Any:
-  """Shardings of a `k3jax.train.step.TrainState` (a struct with step, params, balance,
-  opt_state): params/balance from their logical axes, optimizer state like the params it
-  mirrors (Muon's momentum in host memory with `offload_momentum`), the step replicated.
-  `logical_variables`: the *boxed* variables, e.g. `jax.eval_shape(K3Model(config).init, rng,
-  tokens)`.
-  """
-  sh = param_shardings(mesh, {c: logical_variables[c] for c in ("params", "balance")
-                              if c in logical_variables}, rules)
-  variables = {"params": state.params, "balance": state.balance}
-  var_sh = {"params": sh["params"], "balance": sh.get("balance", {})}
-  return state.replace(
-      step=NamedSharding(mesh, P()), params=var_sh["params"], balance=var_sh["balance"],
-      opt_state=opt_state_shardings(mesh, state.opt_state, variables, var_sh,
-                                    offload_momentum))
-
-
+# ------------------------------------------------------------------------- placement
 def put_batch(batch: Any, shardings: Any) -> Any:
   """Place a host tree (numpy or single-device arrays, the same global values on every process)
   onto `shardings`; arrays already laid out that way are returned as they are.
@@ -437,43 +364,6 @@ def put_batch(batch: Any, shardings: Any) -> Any:
     return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
 
   return jax.tree_util.tree_map(one, batch, shardings)
-
-
-def make_jit_step(mesh: Mesh, logical_variables: Any,
-                  rules: Sequence[tuple[str, Any]] | None = None, donate: bool = True,
-                  offload_momentum: bool = False):
-  """A `jit_step(step_fn) -> fn(state, batch)` for `k3jax.train.trainer.train(jit_step=...)`.
-
-  On first call it derives the state/batch shardings, jits `step_fn` with them (state
-  donated, metrics replicated) and traces it under `activate(mesh)` so the layers take the
-  expert-/context-parallel paths. Every call places the state (a no-op once sharded) and the
-  host batch (`put_batch`) before running. `offload_momentum`: Muon's momentum in host memory
-  (for an optimizer built with `offload_momentum=True`).
-  """
-  rules = LOGICAL_AXIS_RULES if rules is None else tuple(rules)
-
-  def jit_step(step_fn):
-    cache: dict[str, Any] = {}
-
-    def traced(state, batch):
-      with activate(mesh, rules, param_shardings=cache["sh"][0].params):
-        return step_fn(state, batch)
-
-    def run(state, batch):
-      if "fn" not in cache:
-        state_sh = train_state_shardings(mesh, state, logical_variables, rules,
-                                         offload_momentum)
-        batch_sh = batch_shardings(mesh, batch)
-        cache["sh"] = (state_sh, batch_sh)
-        cache["fn"] = jax.jit(traced, in_shardings=(state_sh, batch_sh),
-                              out_shardings=(state_sh, NamedSharding(mesh, P())),
-                              donate_argnums=(0,) if donate else ())
-      state_sh, batch_sh = cache["sh"]
-      return cache["fn"](put_batch(state, state_sh), put_batch(batch, batch_sh))
-
-    return run
-
-  return jit_step
 
 
 # ------------------------------------------------------------------------- run configs
@@ -515,9 +405,8 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 __all__ = [
     "MESH_AXES", "BATCH_AXES", "LOGICAL_AXIS_RULES", "axis_rules", "MeshConfig", "mesh_shape",
-    "make_mesh", "abstract_mesh", "axis_size", "activate", "active_mesh", "logical_to_sharding",
-    "logical_specs", "param_shardings", "opt_state_shardings", "batch_spec", "batch_sharding",
-    "batch_shardings", "cache_shardings", "check_shapes", "constrain_activations",
-    "constrain_like_params", "train_state_shardings", "put_batch",
-    "make_jit_step", "uses_mesh", "initialize_distributed",
+    "make_mesh", "abstract_mesh", "axis_size", "activate", "logical_to_sharding",
+    "logical_specs", "param_shardings", "batch_spec", "batch_sharding", "batch_shardings",
+    "cache_shardings", "check_shapes", "constrain_activations", "constrain_like_params",
+    "put_batch", "uses_mesh", "initialize_distributed",
 ]

@@ -1,11 +1,11 @@
 """k3jax/sharding.py: meshes from config, the logical-axis table, shardings of params,
-optimizer state, batches and caches, and the early errors (8 simulated CPU devices)."""
+batches and caches, the constraints applied under JAX's mesh, and the early errors (8 simulated
+CPU devices). The optimizer state's shardings are tested in tests/train/test_sharded.py."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -75,7 +75,7 @@ class _Toy(nn.Module):
     return x @ w + e.sum() + odd.sum() + b.value.sum() + plain.sum()
 
 
-def test_param_and_opt_state_shardings_follow_the_table():
+def test_param_shardings_follow_the_table():
   mesh = sharding.make_mesh(dict(data=1, fsdp=2, expert=2, tensor=2))
   abstract = jax.eval_shape(_Toy().init, jax.random.key(0), jnp.zeros((1, 16)))
   sh = sharding.param_shardings(mesh, abstract)
@@ -84,15 +84,6 @@ def test_param_and_opt_state_shardings_follow_the_table():
   assert sh["params"]["odd"].spec == P()                   # 3 not divisible by fsdp=2: replicated
   assert sh["params"]["plain"].spec == P()                 # no logical names: replicated
   assert sh["balance"]["bias"].spec == P("expert")
-  # Optimizer state mirrors the params it belongs to; the step count is replicated.
-  params = nn.unbox(abstract)
-  tx = optax.adamw(1e-3)
-  opt_abstract = jax.eval_shape(tx.init, params)
-  osh = sharding.opt_state_shardings(mesh, opt_abstract, params, sh)
-  adam = osh[0]
-  assert adam.mu["params"]["w"].spec == P("fsdp", "tensor")
-  assert adam.nu["params"]["experts"].spec == P("expert", "fsdp", "tensor")
-  assert adam.count.spec == P()
   # Real arrays placed with these shardings hold the right slices.
   real = jax.device_put(nn.unbox(_Toy().init(jax.random.key(0), jnp.zeros((1, 16)))), sh)
   assert real["params"]["w"].addressable_shards[0].data.shape == (8, 4)
@@ -150,13 +141,25 @@ def test_fsdp_over_data_rules():
   assert sh2["params"]["experts"].spec == P("expert", "fsdp")
 
 
-def test_activate_sets_the_active_mesh():
+def test_the_mesh_is_jax_s_own():
+  """Traced code sees the mesh of `jax.set_mesh` around the call (nothing in k3jax.sharding
+  holds one); the logical-axis rules act only through explicit shardings."""
   mesh = sharding.make_mesh(dict(expert=8, data=1))
-  assert sharding.active_mesh() is None
-  with sharding.activate(mesh):
-    assert sharding.active_mesh() is mesh
-    assert nn.logical_to_mesh_axes(("batch", "length")) == P(sharding.BATCH_AXES, "context")
-  assert sharding.active_mesh() is None
+  seen = []
+
+  def f(x):
+    seen.append(jax.sharding.get_abstract_mesh())
+    return x
+
+  jax.jit(f)(jnp.ones(8))
+  with jax.set_mesh(mesh):
+    jax.jit(f)(jnp.ones(8))                    # retraced: JAX's jit cache keys on the mesh
+  assert seen[0].empty and dict(seen[1].shape) == dict(mesh.shape)
+  assert jax.sharding.get_abstract_mesh().empty
+  assert not [k for k, v in vars(sharding).items()
+              if isinstance(v, (list, dict)) and not k.startswith("__")]
+  assert nn.logical_to_mesh_axes(("batch", "length"), sharding.LOGICAL_AXIS_RULES) == P(
+      sharding.BATCH_AXES, "context")
 
 
 def test_constrain_activations_shards_batch_and_sequence():
@@ -166,19 +169,19 @@ def test_constrain_activations_shards_batch_and_sequence():
   odd = jnp.ones((2, 7, 3))                                           # T=7: context dropped
 
   def f(x, blocks, odd):
-    with sharding.activate(mesh):
-      a, b = sharding.constrain_activations((x, blocks))
-      c = sharding.constrain_activations(odd)
-      d = sharding.constrain_activations(x, context=False)
+    a, b = sharding.constrain_activations((x, blocks))
+    c = sharding.constrain_activations(odd)
+    d = sharding.constrain_activations(x, context=False)
     return a, b, c, d
 
-  a, b, c, d = jax.jit(f)(x, blocks, odd)
+  with jax.set_mesh(mesh):
+    a, b, c, d = jax.jit(f)(x, blocks, odd)
   np.testing.assert_array_equal(a, x)                 # values untouched
   assert a.sharding.spec == P("fsdp", "context")
   assert b.sharding.spec == P(None, "fsdp", "context")
   assert c.sharding.spec == P("fsdp")
   assert d.sharding.spec == P("fsdp")
-  assert sharding.constrain_activations(x) is x       # no active mesh: unchanged
+  assert sharding.constrain_activations(x) is x       # no mesh: unchanged
 
 
 def test_constrain_like_params_pins_gradients():
@@ -190,62 +193,11 @@ def test_constrain_like_params_pins_gradients():
 
   def f(p, x):
     g = grad(p, x)
-    with sharding.activate(mesh, param_shardings=param_sh):
-      pinned = sharding.constrain_like_params(g)
-    with sharding.activate(mesh):                     # no param shardings given: unchanged
-      assert sharding.constrain_like_params(g) is g
+    pinned = sharding.constrain_like_params(g, param_sh)
+    assert sharding.constrain_like_params(g, None) is g   # no param shardings given: unchanged
     return pinned
 
   out = jax.jit(f)(params, x)
   assert out["w"].sharding.spec == P("fsdp")
   np.testing.assert_allclose(out["w"], grad(params, jnp.ones((8, 16)))["w"], rtol=1e-6)
-  assert sharding.constrain_like_params(params) is params  # no active mesh: unchanged
-
-
-def test_offloaded_muon_momentum_lives_in_host_memory():
-  """offload_momentum: Muon's momentum is sharded to "pinned_host" (Adam's moments stay on the
-  device), two jitted updates on 2 devices (fsdp) equal the on-device optimizer's, and the new
-  momentum comes back in host memory."""
-  from k3jax.train.optim import MuonState, make_optimizer
-  mesh = sharding.make_mesh(sharding.MeshConfig(data=4, fsdp=2))
-  names = {"params": {
-      "body": {"layers_0": {"mlp": {"up_proj": {"kernel": nn.LogicallyPartitioned(
-          jax.ShapeDtypeStruct((3, 8, 6), jnp.float32), ("layers", "embed", "mlp"))}}}},
-      "head": {"kernel": nn.LogicallyPartitioned(
-          jax.ShapeDtypeStruct((8, 4), jnp.float32), ("embed", "vocab"))},
-      "embed_tokens": {"embedding": nn.LogicallyPartitioned(
-          jax.ShapeDtypeStruct((16, 8), jnp.float32), ("vocab", "embed"))}}, "balance": {}}
-  keys = iter(jax.random.split(jax.random.PRNGKey(0), 9))
-  params = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), nn.unbox(names))
-  grads = [jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), params)
-           for _ in range(2)]
-  p_sh = sharding.param_shardings(mesh, names)
-  results = {}
-  for offload in (False, True):
-    tx = make_optimizer(lambda s: 0.1, offload_momentum=offload)
-    o_sh = sharding.opt_state_shardings(mesh, jax.eval_shape(tx.init, params), params, p_sh,
-                                        offload_momentum=offload)
-    is_muon = lambda x: isinstance(x, MuonState)  # noqa: E731
-    (muon_sh,) = [x for x in jax.tree.leaves(o_sh, is_leaf=is_muon) if is_muon(x)]
-    assert {s.memory_kind for s in jax.tree.leaves(muon_sh.mu)} == (
-        {"pinned_host"} if offload else {"device"})
-    assert {s.memory_kind for s in jax.tree.leaves(o_sh)} == (
-        {"pinned_host", "device"} if offload else {"device"})
-    update = jax.jit(tx.update, in_shardings=(p_sh, o_sh, p_sh), out_shardings=(p_sh, o_sh))
-    state = jax.device_put(tx.init(params), o_sh)
-    ups = []
-    for g in grads:
-      u, state = update(jax.device_put(g, p_sh), state, jax.device_put(params, p_sh))
-      ups.append(u)
-    results[offload] = (ups, state)
-  (ups0, st0), (ups1, st1) = results[False], results[True]
-  for a, b in zip(jax.tree.leaves(ups0), jax.tree.leaves(ups1)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-  for a, b in zip(jax.tree.leaves(st0), jax.tree.leaves(st1)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
-  (muon,) = [x for x in jax.tree.leaves(st1, is_leaf=is_muon) if is_muon(x)]
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(muon.mu)} == {"pinned_host"}
-  with pytest.raises(ValueError, match="no MuonState"):
-    tx = make_optimizer(lambda s: 0.1, muon=False)
-    sharding.opt_state_shardings(mesh, jax.eval_shape(tx.init, params), params, p_sh,
-                                 offload_momentum=True)
+  assert sharding.constrain_like_params(params, None) is params

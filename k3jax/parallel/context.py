@@ -24,9 +24,11 @@ queries are left out of the max logit and sliced off the output.
 
 All functions here are meant to be called *inside* `jax.shard_map` with `context` among the
 manual axes (the `*_sharded` wrappers build that shard_map from a mesh). The `maybe_*` wrappers
-are what the layers use (through k3jax/layers/backend.py): under `sharding.activate(mesh)` with
-context > 1 they run KDA, the short convs and MLA attention as above over global arrays;
-otherwise they return the single-device function unchanged.
+are what the layers use (through k3jax/layers/backend.py): called while a model is traced under
+a mesh (JAX's own: `jax.set_mesh` around the jitted call, read back here with
+`jax.sharding.get_abstract_mesh()`) with context > 1, they run KDA, the short convs and MLA
+attention as above over global arrays; otherwise they return the single-device function
+unchanged.
 """
 
 from __future__ import annotations
@@ -253,9 +255,9 @@ def _segments(seg: tuple):
 
 def maybe_context_parallel_conv(conv_fn: Callable) -> Callable:
   """`conv_fn(x [B,T,H,C], kernel [W,H,C], segment_ids=None) → fp32` itself, or — when the
-  active mesh has context > 1 — the same convolution with each shard receiving its W−1
+  mesh in context has context > 1 — the same convolution with each shard receiving its W−1
   boundary tokens from the previous shard (`causal_conv_context_parallel`)."""
-  mesh = sharding.active_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   if sharding.axis_size(mesh, CONTEXT) <= 1:
     return conv_fn
   bt = P(sharding.BATCH_AXES, CONTEXT, "tensor")
@@ -275,13 +277,13 @@ def maybe_context_parallel_conv(conv_fn: Callable) -> Callable:
 
 def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
   """`attn_fn(q, k, v, *, scale, segment_ids=None, query_block=None) → (o, max_logit [H])`
-  (ops.mla_attention) itself, or — when the active mesh has context > 1 — the same attention
+  (ops.mla_attention) itself, or — when the mesh in context has context > 1 — the same attention
   with queries sharded over the sequence and keys/values all-gathered
   (`mla_attention_context_parallel`); the max logit is reduced over every shard. A length T
   that the context axis does not divide is padded at the end to the next multiple (zeros; the
   last segment id repeated, so that padded queries attend to something) and the output sliced
   back to T: the real positions' outputs and the max logit are those of the unpadded call."""
-  mesh = sharding.active_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   n = sharding.axis_size(mesh, CONTEXT)
   if n <= 1:
     return attn_fn
@@ -313,13 +315,14 @@ def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
 
 
 def maybe_context_parallel(kda_fn: Callable) -> Callable:
-  """`kda_fn` itself, or — when the active mesh (`sharding.activate`) has context > 1 — a
+  """`kda_fn` itself, or — when the mesh in context (`jax.set_mesh`) has context > 1 — a
   function with the same signature that runs it context-parallel over global arrays.
 
   The layers obtain their chunked KDA through `k3jax.layers.backend.kda_chunked_fn`, which
-  wraps it here; the decision is taken when the model is traced.
+  wraps it here; the decision is taken when the model is traced, and the returned function
+  must be called under the same mesh.
   """
-  mesh = sharding.active_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   if sharding.axis_size(mesh, CONTEXT) <= 1:
     return kda_fn
 

@@ -189,7 +189,7 @@ def sharded_histogram(mesh, hist_fn, *args: Array) -> Array:
 
 def maybe_expert_parallel(expert_mlp_fn: Callable,
                           gmm: moe_ops.GroupedMatmul | None = None) -> Callable:
-  """`expert_mlp_fn` itself, or — when the active mesh (`sharding.activate`) has expert > 1 —
+  """`expert_mlp_fn` itself, or — when the mesh in context (`jax.set_mesh`) has expert > 1 —
   a function with its signature (`ops.moe.expert_mlp`'s, less `gmm`) that runs it
   expert-parallel.
 
@@ -200,7 +200,7 @@ def maybe_expert_parallel(expert_mlp_fn: Callable,
   ceil(capacity · N_local / N) rows per expert and source device. N that the token shards do
   not divide is padded (module docstring) and y sliced back to N rows.
   """
-  mesh = sharding.active_mesh()
+  mesh = jax.sharding.get_abstract_mesh()   # JAX's own (jax.set_mesh around the jitted call)
   ep = sharding.axis_size(mesh, EXPERT)
   if ep <= 1:
     return expert_mlp_fn

@@ -124,10 +124,10 @@ def scale_by_per_head_muon(momentum: float = 0.95, nesterov: bool = True, ns_ste
   time (all layers at once were f32[22,14,3072,3072] per device for k3, docs/notes/sharding.md).
 
   `offload_momentum=True`: the momentum lives in host memory (its sharding's memory kind
-  "pinned_host", `k3jax.sharding.opt_state_shardings(offload_momentum=True)`); each parameter,
-  or each layer of a scanned one, is copied to the device, updated and copied back, so the
-  device holds one layer's momentum at a time. Needs a jit with explicit in/out shardings
-  (`sharding.make_jit_step(..., offload_momentum=True)`).
+  "pinned_host", `k3jax.train.sharded.opt_state_shardings(offload_momentum=True)`); each
+  parameter, or each layer of a scanned one, is copied to the device, updated and copied back,
+  so the device holds one layer's momentum at a time. Needs a jit with explicit in/out
+  shardings (`k3jax.train.sharded.build_step` on a mesh).
   """
   f32 = jnp.float32
   to_device = ((lambda x: jax.device_put(x, jax.memory.Space.Device)) if offload_momentum

@@ -8,9 +8,9 @@ the MLA heads whose max logit exceeded τ. With `grad_accum=G` the batch is spli
 micro-batches along its batch axis, run one after another (`lax.scan`: activations of one
 micro-batch at a time), their gradients and statistics summed (`max_logit`: max) and the
 optimizer applied once — the same update as the whole batch at once (each micro-batch's CE is
-divided by the whole batch's token count). Shardings are the caller's business: jit the
-returned function with `in_shardings`/`out_shardings` (the mesh hook, issue 5); nothing here
-names a mesh axis.
+divided by the whole batch's token count). Shardings are the caller's business
+(k3jax/train/sharded.py jits the step for a mesh and hands it the params' shardings, which the
+gradients are pinned to); nothing here names a mesh axis.
 """
 
 from __future__ import annotations
@@ -146,16 +146,19 @@ def accumulated_grads(params, balance, batch, config: ModelConfig, mtp_weight: f
 
 def make_train_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs, *,
                     mtp_weight: float = 0.3, qk_clip_tau: float | None = 100.0,
-                    schedule: Callable | None = None, grad_accum: int = 1):
+                    schedule: Callable | None = None, grad_accum: int = 1,
+                    grad_shardings: Any = None):
   """train_step(state, batch) → (state, metrics); pure, jit it (donate the state).
-  `grad_accum` micro-batches per optimizer step (module doc; must divide the batch size)."""
+  `grad_accum` micro-batches per optimizer step (module doc; must divide the batch size).
+  `grad_shardings`: the params' NamedShardings (a tree like `state.params`) the gradients are
+  pinned to before the optimizer (`sharding.constrain_like_params`), or None."""
   if not isinstance(grad_accum, int) or grad_accum < 1:
     raise ValueError(f"grad_accum: expected a positive int, found {grad_accum!r}")
 
   def train_step(state: TrainState, batch: dict):
     (loss, (ce, mtp_ce, stats)), grads = accumulated_grads(
         state.params, state.balance, batch, config, mtp_weight, grad_accum)
-    grads = sharding.constrain_like_params(grads)   # under a mesh: sharded like the params
+    grads = sharding.constrain_like_params(grads, grad_shardings)
     variables = state.variables
     zero_b = jax.tree.map(jnp.zeros_like, state.balance)
     updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,

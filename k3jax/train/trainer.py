@@ -8,9 +8,9 @@ every `train.log_every` steps to DIR/metrics.jsonl + TensorBoard, evaluates ever
 resumes from the newest complete checkpoint in DIR. `until` stops early at a step (a
 simulated preemption: the schedule still spans `train.steps`).
 
-Mesh hook (issue 5): `train(..., jit_step=f)` with `f(step_fn) → jitted step` (e.g. a
-`jax.jit` with in/out shardings) shards the step; by default the step is jitted on one device
-with the state donated. The batch arrives as numpy arrays: `f` may place them.
+Sharding: `train(..., mesh=m)` runs the step sharded over `m` (k3jax/train/sharded.py's
+`build_step`, which places each host batch); without a mesh the step is jitted on one device
+with the state donated.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.config import ModelConfig, dtype_of
+from k3jax.config import ModelConfig
 from k3jax.train import balance as qb
 from k3jax.train import data as data_lib
 from k3jax.train import metrics as metrics_lib
 from k3jax.train.checkpoint import Checkpointer
-from k3jax.train.optim import make_optimizer
-from k3jax.train.schedule import warmup_cosine
-from k3jax.train.step import TrainState, create_state, make_eval_step, make_train_step
+from k3jax.train.sharded import Step, build_step
+from k3jax.train.step import TrainState, create_state
 
 log = logging.getLogger("k3jax.train")
 
@@ -105,41 +104,22 @@ def _signature(cfg) -> dict:
 _STEPS: dict = {}
 
 
-def _build(cfg, config: ModelConfig, jit_step=None):
-  """(tx, schedule, jitted train step, jitted eval step), cached per process so an in-process
-  resume reuses the compiled step."""
-  o = cfg.optim
-  accum = cfg.train.get("grad_accum", 1)
-  key = (config, cfg.train.steps, cfg.train.mtp_weight, accum,
-         json.dumps(o.to_dict(), sort_keys=True),
-         json.dumps(cfg.balance.to_dict(), sort_keys=True), jit_step)
-  if key in _STEPS:
-    return _STEPS[key]
-  if o.get("offload_momentum", False) and jit_step is None:
-    raise ValueError("config.optim.offload_momentum: host memory needs a jit with explicit "
-                     "shardings: run experiments/train.py (it builds them, on a one-device mesh "
-                     "if need be) or pass jit_step=sharding.make_jit_step(mesh, boxed, "
-                     "offload_momentum=True)")
-  schedule = warmup_cosine(o.lr, cfg.train.steps, o.warmup_frac, o.get("final_lr_frac", 0.1))
-  balance_tx = qb.quantile_balancing(cfg.balance.method, k=config.experts_per_token,
-                                     value_range=config.qb_range, gamma=cfg.balance.gamma)
-  tx = make_optimizer(schedule, weight_decay=o.weight_decay, momentum=o.momentum,
-                      adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
-                      clip_norm=o.get("clip_norm", 0.0),
-                      mu_dtype=dtype_of(o.mu_dtype) if o.get("mu_dtype") else None,
-                      offload_momentum=bool(o.get("offload_momentum", False)))
-  step_fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight,
-                            qk_clip_tau=o.qk_clip_tau, schedule=schedule, grad_accum=accum)
-  jitted = jit_step(step_fn) if jit_step else jax.jit(step_fn, donate_argnums=0)
-  out = (tx, schedule, jitted, jax.jit(make_eval_step(config)))
-  _STEPS[key] = out
-  return out
+def _cached_step(cfg, config: ModelConfig, mesh=None) -> Step:
+  """`build_step`, cached per process so an in-process resume reuses the compiled step."""
+  key = (config, mesh, cfg.train.steps, cfg.train.mtp_weight, cfg.train.get("grad_accum", 1),
+         cfg.train.batch_size, cfg.train.seq_len,
+         *(json.dumps(cfg[g].to_dict(), sort_keys=True) if cfg.get(g) is not None else None
+           for g in ("optim", "balance", "mesh")))
+  if key not in _STEPS:
+    _STEPS[key] = build_step(cfg, config, mesh)
+  return _STEPS[key]
 
 
 # ---------------------------------------------------------------------- loop
-def train(cfg, workdir: str, *, until: int | None = None, jit_step=None,
+def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
           progress: bool | None = None) -> list[dict]:
-  """Train (or resume) the run in `workdir`; returns the metric records written this call."""
+  """Train (or resume) the run in `workdir`; returns the metric records written this call.
+  `mesh`: a `jax.sharding.Mesh` to shard the step over (None: one device)."""
   config = model_config(cfg)
   validate(cfg, config)
   t = cfg.train
@@ -152,7 +132,7 @@ def train(cfg, workdir: str, *, until: int | None = None, jit_step=None,
   ckpt.check_config(config)                      # a checkpoint of another model: fail now
   _check_signature(ckpt, cfg)
 
-  tx, schedule, step_fn, eval_fn = _build(cfg, config, jit_step)
+  tx, _, step_fn, eval_fn = _cached_step(cfg, config, mesh)
   rng = jax.random.PRNGKey(cfg.seed)
   state = create_state(config, rng, tx)
   restored = ckpt.restore_latest(config, state.variables, state.opt_state)

@@ -1,7 +1,9 @@
 """experiments/bench_sharding.py: flag parsing (the documented command lines), the layout
-table and the message when the optional libtpu is missing. Cheap: nothing here compiles a model
-(the deviceless TPU compile itself needs the `tpu_aot` extra; docs/notes/sharding.md has the
-manual check)."""
+table, the message when the optional libtpu is missing, the per-device state of each recipe,
+and the memory part's compile path (the trainer's step from `k3jax.train.sharded.build_step`,
+lowered from abstract values) for a 2-layer tiny model on the 8 simulated CPU devices. The
+deviceless TPU compile itself needs the `tpu_aot` extra; docs/notes/sharding.md has the manual
+check."""
 
 import importlib.util
 import shlex
@@ -130,3 +132,26 @@ def test_state_part_follows_each_recipe(capsys):
   # `tensor` (heads), so between 1/2048 and 1/1024 of the fp32 bytes.
   full = r2048["params"] * 4 / gib
   assert full / 2048 < r2048["params_gib_per_device"] < full / 1024 * 0.6, r2048
+
+
+def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
+  """`memory_part` lowers the step `build_step` returns (the trainer's, not a copy) from
+  abstract values and compiles it: a 2-layer tiny model on (fsdp=2, expert=4) CPU devices,
+  state sharded 8 ways or less per device, XLA's memory plan read back."""
+  from k3jax.train import sharded
+  calls = []
+  real = sharded.build_step
+
+  def spy(*args, **kwargs):
+    calls.append(args[2] if len(args) > 2 else kwargs.get("mesh"))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(sharded, "build_step", spy)
+  r = bench.memory_part(8, 16, 1, target="cpu", preset_name="tiny", num_layers=2,
+                        layout=dict(data=1, fsdp=2, expert=4))
+  assert len(calls) == 1 and dict(calls[0].shape)["expert"] == 4
+  assert r["layout"] == dict(data=1, fsdp=2, expert=4, context=1, tensor=1)
+  assert r["global_batch"] == 8 and r["num_layers"] == 2
+  assert r["state_gib_total"] / 8 <= r["state_gib_per_device"] < r["state_gib_total"]
+  assert r["argument_bytes"] > 0 and r["temp_bytes"] > 0 and r["peak_gib"] > 0
+

@@ -95,9 +95,9 @@ def test_maybe_expert_parallel_pads_a_token_count_the_shards_do_not_divide(capac
   x, w, idx, w1, w3, w2 = _inputs(4, skew=1.5 if capacity else 0.0)
   x, w, idx = x.reshape(-1, D)[:n], w.reshape(-1, K)[:n], idx.reshape(-1, K)[:n]
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, context=2, expert=2))
-  with sharding.activate(mesh):
+  with jax.set_mesh(mesh):   # chosen and run under the mesh (JAX's context)
     fn = ep_lib.maybe_expert_parallel(moe_ops.expert_mlp)
-  y, dropped = jax.jit(lambda *a: fn(*a, capacity=capacity))(x, w, idx, w1, w3, w2)
+    y, dropped = jax.jit(lambda *a: fn(*a, capacity=capacity))(x, w, idx, w1, w3, w2)
   assert y.shape == (n, D)
   if capacity is None:
     y_ref, d_ref = moe_ops.expert_mlp_reference(x, w, idx, w1, w3, w2)

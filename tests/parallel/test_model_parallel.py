@@ -88,18 +88,17 @@ def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
   var_sh = sharding.param_shardings(mesh, {c: boxed[c] for c in ("params", "balance")})
   b_sh = sharding.batch_shardings(mesh, batch)
 
-  def step(v, b):   # traced under the mesh: the expert/context-parallel paths are taken
-    with sharding.activate(mesh):
-      return _step(config, v, b)
-
+  step = functools.partial(_step, config)
   fn = jax.jit(step, in_shardings=(var_sh, b_sh),
                out_shardings=(var_sh["params"], None, sharding.batch_sharding(mesh, 3), None))
-  # The layers took the hand-written parallel paths (k3jax/layers/backend.py hooks).
-  jaxpr = str(jax.make_jaxpr(step)(variables, batch))
+  # Traced under the mesh (JAX's context around the call): the layers took the hand-written
+  # parallel paths (k3jax/layers/backend.py hooks).
+  with jax.set_mesh(mesh):
+    jaxpr = str(jax.make_jaxpr(step)(variables, batch))
+    params, loss, logits, mtp_logits = fn(sharding.put_batch(variables, var_sh), batch)
   assert ("all_to_all" in jaxpr) == (mesh.shape["expert"] > 1)
   assert ("ppermute" in jaxpr) == (mesh.shape["context"] > 1)      # KDA state, conv halo
   assert ("pmax" in jaxpr) == (mesh.shape["context"] > 1)          # MLA's max logit over shards
-  params, loss, logits, mtp_logits = fn(sharding.put_batch(variables, var_sh), batch)
   _close(logits, ref_logits, "logits")
   assert mtp_logits.shape == (B, T - 1, config.vocab_size)
   _close(mtp_logits, ref_mtp, "mtp_logits")
