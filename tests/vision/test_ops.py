@@ -27,7 +27,7 @@ def test_interpolation_is_identity_at_table_size(mode, size):
 
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
 def test_resize_matches_torch_interpolate(mode):
-  torch = pytest.importorskip("torch")
+  import torch
   table = RNG.randn(8, 8, 3).astype(np.float32)
   for h, w in [(4, 6), (12, 10), (2, 16), (8, 8)]:
     want = torch.nn.functional.interpolate(
@@ -148,7 +148,7 @@ def test_sd2_tpool_packed_equals_per_sample():
 
 
 def test_patch_embed_is_the_conv():
-  torch = pytest.importorskip("torch")
+  import torch
   w = RNG.randn(6, 3, 14, 14).astype(np.float32)
   b = RNG.randn(6).astype(np.float32)
   px = RNG.randn(5, 3, 14, 14).astype(np.float32)
@@ -163,8 +163,8 @@ def test_k25_rope_layout_matches_transformers():
   """`interleaved_cols_rows` is Kimi K2.5's layout: `transformers`' rotate-half RoPE on q/k
   permuted as its converter does (PermuteForRope: per head [D/2, 2] → [2, D/2]) equals ours
   on the released (unpermuted) layout."""
-  torch = pytest.importorskip("torch")
-  m = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
+  import torch
+  from transformers.models.kimi_k25 import modeling_kimi_k25 as m
   from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
   cfg = Kimi_K25VisionConfig(hidden_size=64, num_attention_heads=2, intermediate_size=32,
                              num_hidden_layers=1)
@@ -185,8 +185,8 @@ def test_k25_rope_layout_matches_transformers():
 def test_k25_position_embedding_matches_transformers():
   """Bicubic spatial table + sin-cos time table (t > 1 only) = `transformers`' K2.5
   Kimi_K25VisionPositionEmbeddings, for an image and a 3-frame clip packed together."""
-  torch = pytest.importorskip("torch")
-  m = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
+  import torch
+  from transformers.models.kimi_k25 import modeling_kimi_k25 as m
   from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
   from k3jax.vision import pack, vision_preset
   d = 64
