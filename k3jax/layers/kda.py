@@ -200,7 +200,7 @@ class KDA(nn.Module):
       if self.is_mutable_collection("rewind"):
         for name, value in (("states", jnp.concatenate([cache.state[None], states], 0)),
                             ("xq", inputs["q"]), ("xk", inputs["k"]), ("xv", inputs["v"])):
-          self.sow("rewind", name, value, init_fn=lambda: None, reduce_fn=lambda _, v: v)
+          self.sow("rewind", name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     else:
       fn = backend.kda_chunked_fn(cfg.kernel_backend, lower_bound=cfg.kda_lower_bound)
       o, state = fn(q, k, v, g, beta, scale=scale, chunk_size=cfg.kda_chunk_size,
