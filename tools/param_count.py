@@ -1,6 +1,6 @@
 """Parameter count of a preset through `jax.eval_shape` (nothing is allocated).
 
-  python -m tools.param_count --preset k3 [--json]
+  python -m tools.param_count --preset k3 [--json] [--vision_preset NAME|none]
 
 total: every parameter of the main model (input embedding and lm_head included, untied);
 activated: what one token uses — routed experts count k/E of their parameters, the input
@@ -8,6 +8,15 @@ embedding table is excluded (a lookup, not a matmul), everything else counts ful
 module is excluded from both and reported on its own; the selection-only router bias
 (collection "balance") is not a parameter and is reported separately. Spec §1: k3 gives
 2.7795T total and 104.19B activated.
+
+vision: the vision tower (`vision_tower/*`) and the projector (`mm_projector/*`) of
+`k3jax.vision`, counted from `init_vision` under `jax.eval_shape`, reported as
+{"preset", "tower", "projector", "total"} beside — never inside — the text totals above.
+`ModelConfig` has no vision field yet, so the tower comes from `--vision_preset`: default the
+mapping VISION_PRESETS (k3 → moonvit_v2; presets without an entry have no vision tower and
+get no `vision` entry), "none" drops it, any other name is a `k3jax.vision` preset (its
+projector width set to the text model's d_model). k3: tower 401.21M (spec §11: 401M),
+projector 46.14M (4096² + 4096·7168 + 7168 post-norm), 447.36M in all.
 """
 
 from __future__ import annotations
@@ -16,6 +25,10 @@ import json
 import sys
 
 from absl import app, flags
+
+# Text preset → the vision preset of the tower its released model carries (until ModelConfig
+# carries a vision config of its own).
+VISION_PRESETS = {"k3": "moonvit_v2"}
 
 COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_mlp", "routed_experts",
               "shared_experts", "router", "latent_projections", "attn_res", "norms")
@@ -94,6 +107,40 @@ def count_params(config) -> dict:
   }
 
 
+def count_vision(vision_config) -> dict:
+  """Counts for a VisionConfig: {"preset", "tower", "projector", "total"} (plain ints), the
+  leaves under params/vision_tower and params/mm_projector of `init_vision`'s eval_shape."""
+  import jax
+  import numpy as np
+
+  from k3jax.vision.tower import init_vision
+
+  shapes = jax.eval_shape(lambda key: init_vision(vision_config, key), jax.random.key(0))
+  params = shapes["params"]
+  unknown = sorted(set(params) - {"vision_tower", "mm_projector"})
+  if unknown or set(shapes) != {"params"}:
+    raise ValueError(f"param_count: unclassified vision variables {unknown or sorted(shapes)}")
+
+  def n(tree):
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+  tower, projector = n(params["vision_tower"]), n(params["mm_projector"])
+  return {"preset": vision_config.name, "tower": tower, "projector": projector,
+          "total": tower + projector}
+
+
+def vision_config_for(config, vision_preset: str | None = None):
+  """The VisionConfig counted beside `config`, or None: `vision_preset` None/"" → the
+  VISION_PRESETS mapping by config.name; "none" → None; else that vision preset, with its
+  projector output width set to config.d_model."""
+  from k3jax.vision.config import vision_preset as make_vision
+
+  name = vision_preset or VISION_PRESETS.get(config.name)
+  if not name or name == "none":
+    return None
+  return make_vision(name, text_hidden_size=config.d_model)
+
+
 def _subtree(tree, keys):
   for k in keys:
     tree = tree[k]
@@ -114,18 +161,29 @@ def format_table(counts: dict) -> str:
   lines.append(f"{'TOTAL':<20}{_fmt(counts['total']):>16}{_fmt(counts['activated']):>16}")
   lines.append(f"(excluded) mtp {_fmt(counts['mtp'])}, router bias (not a parameter) "
                f"{_fmt(counts['router_bias'])}")
+  if "vision" in counts:
+    v = counts["vision"]
+    lines.append(f"(separate) vision {v['preset']}: tower {_fmt(v['tower'])}, projector "
+                 f"{_fmt(v['projector'])}, total {_fmt(v['total'])}")
   return "\n".join(lines)
 
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "k3", "name of a k3jax.config preset")
 flags.DEFINE_bool("json", False, "print JSON instead of a table")
+flags.DEFINE_string("vision_preset", "", "k3jax.vision preset counted as `vision` beside the "
+                    "text totals; default: VISION_PRESETS[preset] (k3 → moonvit_v2), 'none' "
+                    "to omit")
 
 
 def main(argv):
   del argv
   from k3jax.config import preset
-  counts = count_params(preset(FLAGS.preset))
+  config = preset(FLAGS.preset)
+  counts = count_params(config)
+  vision = vision_config_for(config, FLAGS.vision_preset)
+  if vision is not None:
+    counts["vision"] = count_vision(vision)
   print(json.dumps(counts, indent=1) if FLAGS.json else format_table(counts))
 
 

@@ -67,3 +67,34 @@ def test_cli_json():
   data = json.loads(out.stdout)
   assert data["total"] == count_params(preset("tiny"))["total"]
   assert set(data["components"]) >= {"embedding", "lm_head", "kda", "mla", "routed_experts"}
+
+
+def _cli(*args):
+  out = subprocess.run([sys.executable, "-m", "tools.param_count", "--json", *args],
+                       capture_output=True, text=True, check=True)
+  return json.loads(out.stdout)
+
+
+def test_k3_vision_counted_separately():
+  import jax
+
+  from k3jax.vision import vision_preset
+  from k3jax.vision.tower import init_vision
+
+  shapes = jax.eval_shape(lambda k: init_vision(vision_preset("moonvit_v2"), k),
+                          jax.random.key(0))["params"]
+  tower = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["vision_tower"]))
+  projector = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["mm_projector"]))
+  assert projector == 4096 * 4096 + 4096 * 7168 + 7168  # proj_0, proj_2, post_norm (no biases)
+  assert abs(tower / 401e6 - 1) < 0.01, tower  # spec §11: MoonViT-V2 401M
+
+  data = _cli("--preset", "k3")
+  assert data["vision"] == {"preset": "moonvit_v2", "tower": tower, "projector": projector,
+                            "total": tower + projector}
+  text = count_params(preset("k3"))  # Table 1 totals: unchanged by the vision entry
+  assert {k: v for k, v in data.items() if k != "vision"} == text
+  assert abs(data["total"] / 2.7795e12 - 1) < 1e-3
+
+  none = _cli("--preset", "k3", "--vision_preset", "none")
+  assert "vision" not in none and none == text
+  assert "vision" not in _cli("--preset", "tiny")  # no vision tower in the mapping
