@@ -169,11 +169,17 @@ def format_table(counts: dict) -> str:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "k3", "name of a k3jax.config preset")
-flags.DEFINE_bool("json", False, "print JSON instead of a table")
-flags.DEFINE_string("vision_preset", "", "k3jax.vision preset counted as `vision` beside the "
-                    "text totals; default: VISION_PRESETS[preset] (k3 → moonvit_v2), 'none' "
-                    "to omit")
+
+
+def define_flags() -> None:
+  """Registers the tool's flags. Called when the file runs as a script: importing the module
+  registers nothing, so it can share a process with other entry points that also define
+  --preset or --json (experiments/generate.py, experiments/bench_moe.py)."""
+  flags.DEFINE_string("preset", "k3", "name of a k3jax.config preset")
+  flags.DEFINE_bool("json", False, "print JSON instead of a table")
+  flags.DEFINE_string("vision_preset", "", "k3jax.vision preset counted as `vision` beside the "
+                      "text totals; default: VISION_PRESETS[preset] (k3 → moonvit_v2), 'none' "
+                      "to omit")
 
 
 def main(argv):
@@ -188,4 +194,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -98,3 +98,11 @@ def test_k3_vision_counted_separately():
   none = _cli("--preset", "k3", "--vision_preset", "none")
   assert "vision" not in none and none == text
   assert "vision" not in _cli("--preset", "tiny")  # no vision tower in the mapping
+
+
+def test_importing_registers_no_flags():
+  """The tool shares processes with other entry points that define --preset / --json."""
+  from absl import flags
+  import experiments.generate  # noqa: F401  (defines --preset)
+  import tools.param_count  # noqa: F401
+  assert "vision_preset" not in flags.FLAGS
