@@ -27,6 +27,7 @@ median step afterwards, and their difference (compile seconds).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import time
@@ -115,17 +116,24 @@ def k3_shaped(steps: int) -> dict:
           "compile_s": first - step}
 
 
+def _emit(res: dict) -> None:
+  """Print the result as one JSON line and write it to --json_out (temporary file, renamed)."""
+  line = json.dumps(res)
+  print(line)
+  if _JSON.value:
+    tmp = _JSON.value + ".tmp"
+    with open(tmp, "w") as fh:
+      fh.write(line + "\n")
+    os.replace(tmp, _JSON.value)
+
+
 def main(argv):
   del argv
   if _K3_SHAPED.value:
     res = k3_shaped(_STEPS.value)
     print(f"K3-shaped decode: first call {res['first_call_s']:.1f} s, step "
           f"{res['step_ms']:.2f} ms, compile {res['compile_s']:.1f} s")
-    line = json.dumps(res)
-    print(line)
-    if _JSON.value:
-      with open(_JSON.value, "w") as fh:
-        fh.write(line + "\n")
+    _emit(res)
     return
   from k3jax import generate as G
   from k3jax.config import preset
@@ -212,11 +220,7 @@ def main(argv):
   for r in long_rows:
     print(f"{r['tokens']:>9} {r['seconds']:>9.1f} {r['us_per_token']:>9.1f} "
           f"{r['peak_rss_gb']:>12.2f}")
-  line = json.dumps(res)
-  print(line)
-  if _JSON.value:
-    with open(_JSON.value, "w") as fh:
-      fh.write(line + "\n")
+  _emit(res)
 
 
 if __name__ == "__main__":
