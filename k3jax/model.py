@@ -213,6 +213,15 @@ def _check_tokens(tokens, vocab_size: int, segment_ids):
                      f"[{ids.min()}, {ids.max()}]")
 
 
+def _check_feed(method: str, tokens, lengths, num_new) -> None:
+  """Shapes of a decode call: tokens [B,T] int, the cache's lengths [B], num_new [B]."""
+  _check_tokens(tokens, 2**31 - 1, None)
+  b = tokens.shape[0]
+  if getattr(num_new, "shape", None) != (b,) or lengths.shape != (b,):
+    raise ValueError(f"K3Model.{method}: num_new and the cache's lengths must be [B]=[{b}], "
+                     f"found {getattr(num_new, 'shape', type(num_new))} and {lengths.shape}")
+
+
 def document_ids(segment_ids):
   """[B,T] int → the document index of each token: 0 for a row's first run of equal ids, +1
   wherever the id changes. KDA resets its state where the id changes while MLA and the short
@@ -308,6 +317,7 @@ class K3Model(nn.Module):
     num_new[b] are meaningless. With the "rewind" collection mutable, the KDA layers also sow
     what `k3jax.serving.speculative.rewind` needs to keep only a prefix of the tokens.
     """
+    _check_feed("extend", tokens, cache.lengths, num_new)
     feed = Feed(cache.lengths, num_new)
     h, stack = self._stack(self.embed_tokens(tokens), None, cache.stack, feed)
     return self._head(h), h, cache.replace(lengths=cache.lengths + num_new, stack=stack)
@@ -318,6 +328,10 @@ class K3Model(nn.Module):
     cache.mtp_lengths. Returns (logits fp32 [B,T,vocab] predicting token i+2, cache)."""
     if not self.config.num_mtp_layers:
       raise ValueError("K3Model.draft: needs config.num_mtp_layers=1, found 0")
+    _check_feed("draft", next_tokens, cache.mtp_lengths, num_new)
+    want = tuple(next_tokens.shape) + (self.config.d_model,)
+    if hidden.shape != want:
+      raise ValueError(f"K3Model.draft: hidden must be [B,T,d]={want}, found {hidden.shape}")
     y, mtp = self.mtp(hidden, self.embed_tokens(next_tokens), None, cache.mtp,
                       Feed(cache.mtp_lengths, num_new))
     return self._head(y, normed=True), cache.replace(mtp=mtp,

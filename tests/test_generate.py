@@ -175,3 +175,14 @@ def test_bad_input_errors():
     G.prefill(cfg, v, np.array([[1, cfg.vocab_size]]), np.array([2]))
   with pytest.raises(ValueError, match="vocab_size"):
     G.prefill(cfg, v, np.array([[1, -1]]), np.array([2]))
+  model = K3Model(cfg)
+  cache = model.init_cache(2, 8)
+  with pytest.raises(ValueError, match=r"extend: num_new .* \[B\]=\[2\]"):
+    model.apply(v, np.ones((2, 3), np.int32), cache, np.ones((3,), np.int32),
+                method=K3Model.extend)
+  with pytest.raises(ValueError, match="tokens must be an int array"):
+    model.apply(v, np.ones((2,), np.int32), cache, np.ones((2,), np.int32),
+                method=K3Model.extend)
+  with pytest.raises(ValueError, match=r"draft: hidden must be \[B,T,d\]"):
+    model.apply(v, np.ones((2, 3, 5), np.float32), np.ones((2, 3), np.int32), cache,
+                np.ones((2,), np.int32), method=K3Model.draft)
