@@ -290,15 +290,21 @@ PRESETS = {
 }
 
 
-def preset(name: str, **overrides: Any) -> ModelConfig:
-  """A validated preset, with `overrides` applied (unknown fields raise ValueError)."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+def from_presets(cls, presets: dict, name: str, overrides: dict, label: str = "preset"):
+  """`cls` built from `presets[name]()` with `overrides` applied; an unknown name or field
+  raises ValueError naming it (`label` names the kind of preset in the message)."""
+  if name not in presets:
+    raise ValueError(f"unknown {label} {name!r}; expected one of {sorted(presets)}")
+  fields = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(overrides) - fields)
   if unknown:
-    raise ValueError(f"unknown ModelConfig field(s) {unknown}")
-  return ModelConfig(**{**PRESETS[name](), **overrides})
+    raise ValueError(f"unknown {cls.__name__} field(s) {unknown}")
+  return cls(**{**presets[name](), **overrides})
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+  """A validated preset, with `overrides` applied (unknown fields raise ValueError)."""
+  return from_presets(ModelConfig, PRESETS, name, overrides)
 
 
 def dtype_of(name: str):

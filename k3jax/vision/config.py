@@ -17,6 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from k3jax.config import from_presets
+
+
 # Padded stream lengths the packer chooses from (patches): `jit` compiles once per bucket.
 DEFAULT_BUCKETS = tuple(2 ** k for k in range(8, 19))  # 256 … 262,144
 
@@ -156,13 +159,7 @@ PRESETS = {
 
 def vision_preset(name: str, **overrides: Any) -> VisionConfig:
   """A validated vision preset, with `overrides` applied (unknown fields raise ValueError)."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown vision preset {name!r}; expected one of {sorted(PRESETS)}")
-  fields = {f.name for f in dataclasses.fields(VisionConfig)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise ValueError(f"unknown VisionConfig field(s) {unknown}")
-  return VisionConfig(**{**PRESETS[name](), **overrides})
+  return from_presets(VisionConfig, PRESETS, name, overrides, label="vision preset")
 
 
 # ---------------------------------------------------------------------- config.json
