@@ -161,26 +161,34 @@ def apply_rope(x, angles):
 
 # ----------------------------------------------------------------------------- attention
 def packed_attention(q, k, v, segment_ids, *, scale: float | None = None,
-                     query_block: int | None = None):
+                     query_block: int | None = None, kv_segment_ids=None):
   """Bidirectional softmax attention, block-diagonal over the samples of a packed stream.
 
-  q, k [B, L, H, Dk], v [B, L, H, V], segment_ids [B, L] int (−1 = padding) → fp32 [B, L, H, V].
-  Patch i attends patch j iff segment_ids[i] == segment_ids[j] ≥ 0: no sample sees another,
+  q [B, L, H, Dk], k [B, S, H, Dk], v [B, S, H, V], segment_ids [B, L] int (−1 = padding)
+  → fp32 [B, L, H, V]. kv_segment_ids [B, S]: the keys' ids when the keys are not the queries'
+  own patches (a context shard's queries against the whole stream's keys,
+  `k3jax.parallel.vision`); None: S = L and the keys carry `segment_ids`.
+  Query i attends key j iff segment_ids[i] == kv_segment_ids[j] ≥ 0: no sample sees another,
   padding keys are never attended and padding queries output zeros. scale defaults to Dk^−½.
-  query_block: None (logits [B, H, L, L] at once) or a divisor of L: queries in blocks of that
-  many (`lax.map`), so the largest temporary is [B, H, query_block, L]. Same maths.
+  query_block: None (logits [B, H, L, S] at once) or a divisor of L: queries in blocks of that
+  many (`lax.map`), so the largest temporary is [B, H, query_block, S]. Same maths.
   """
   b, l, h, dk = q.shape
-  if k.shape != (b, l, h, dk) or v.shape[:3] != (b, l, h) or segment_ids.shape != (b, l):
+  kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+  s = kv_ids.shape[-1] if kv_ids.ndim == 2 else -1
+  if (segment_ids.shape != (b, l) or kv_ids.shape != (b, s) or k.shape != (b, s, h, dk)
+      or v.shape[:3] != (b, s, h)):
     raise ValueError(f"packed_attention: q {q.shape}, k {k.shape}, v {v.shape}, segment_ids "
-                     f"{segment_ids.shape} must share [B, L, H] = [{b}, {l}, {h}]")
+                     f"{segment_ids.shape}, kv_segment_ids {kv_ids.shape} must be q [B, L, H, "
+                     f"Dk], k/v [B, S, H, ·], ids [B, L] / [B, S] with [B, L, H] = [{b}, {l}, "
+                     f"{h}]")
   scale = dk ** -0.5 if scale is None else scale
   # Zero the padding values too: 0·nan would leak a non-finite padding patch into every row.
-  vf = jnp.where((segment_ids >= 0)[..., None, None], v.astype(jnp.float32), 0.0)
+  vf = jnp.where((kv_ids >= 0)[..., None, None], v.astype(jnp.float32), 0.0)
 
   def block(qb, sq):  # qb [B, T, H, Dk], sq [B, T]
     logits = jnp.einsum("bthd,bshd->bhts", qb, k, preferred_element_type=jnp.float32) * scale
-    mask = ((sq[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] >= 0))[:, None]
+    mask = ((sq[:, :, None] == kv_ids[:, None, :]) & (kv_ids[:, None, :] >= 0))[:, None]
     logits = jnp.where(mask, logits, _NEG)
     p = jnp.where(mask, jnp.exp(logits - jnp.max(logits, -1, keepdims=True)), 0.0)
     denom = jnp.sum(p, -1, keepdims=True)

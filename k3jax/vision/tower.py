@@ -23,6 +23,7 @@ import numpy as np
 from k3jax.config import dtype_of
 from k3jax.layers.linear import default_kernel_init, param
 from k3jax.layers.norms import rms_norm
+from k3jax.parallel import vision as parallel_vision
 from k3jax.vision import ops
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.packing import META_FIELDS, pack
@@ -122,7 +123,9 @@ class EncoderBlock(nn.Module):
     q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
     q = ops.apply_rope(q, angles).astype(x.dtype)
     k = ops.apply_rope(k, angles).astype(x.dtype)
-    o = ops.packed_attention(q, k, v, segment_ids, query_block=self.query_block).astype(x.dtype)
+    # Under a mesh with context > 1: this shard's queries against the gathered keys/values.
+    attend = parallel_vision.maybe_context_parallel_packed_attention(ops.packed_attention)
+    o = attend(q, k, v, segment_ids, query_block=self.query_block).astype(x.dtype)
     x = x + _dense(cfg, cfg.hidden_size, ("heads", None, "embed"), axis=(-2, -1), name="wo")(o)
     return x + VisionMLP(cfg, name="mlp")(_norm(cfg, "norm1")(x))
 
@@ -137,18 +140,25 @@ class Encoder(nn.Module):
     cfg = self.config
     angles = ops.rope_angles(meta["rows"], meta["cols"], cfg.head_dim, theta=cfg.rope_theta,
                              layout=cfg.rope_layout)
+    angles = parallel_vision.shard_stream(angles)
     for i in range(cfg.num_layers):
       x = EncoderBlock(cfg, self.query_block, name=f"blocks_{i}")(x, angles, meta["segment_ids"])
+      x = parallel_vision.shard_stream(x)   # the residual stream stays on the stream's shards
     return _norm(cfg, "final_layernorm")(x)
 
 
 class VisionTower(nn.Module):
-  """`patch_embed` → `encoder`. patches [B, L, C·P·P], meta [B, L] each → [B, L, hidden]."""
+  """`patch_embed` → `encoder`. patches [B, L, C·P·P], meta [B, L] each → [B, L, hidden].
+
+  Under a mesh (`jax.set_mesh`) the stream is sharded as `k3jax.parallel.vision` lays it out:
+  B over the batch axes, L over `context` (which must divide L), attention context-parallel.
+  """
   config: VisionConfig
   query_block: int | None = None
 
   @nn.compact
   def __call__(self, patches, meta):
+    patches, meta = parallel_vision.shard_stream((patches, meta))
     x = PatchEmbed(self.config, name="patch_embed")(patches.astype(dtype_of(self.config.dtype)),
                                                     meta)
     return Encoder(self.config, self.query_block, name="encoder")(x, meta)
