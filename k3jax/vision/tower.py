@@ -194,7 +194,9 @@ class VisionModel(nn.Module):
     stage "encoded": [B, L, hidden] (after final_layernorm);
     stage "merged": [B, L/4, 4, hidden] fp32 (sd2_tpool; rows past a stream's tokens are 0);
     stage "projected": [B, L/4, text_hidden].
-  `init` with stage="projected" creates every parameter.
+  `init` with stage="projected" creates every parameter. Under a mesh (`jax.set_mesh`) the
+  streams are split over the batch axes (those that divide B) and `context` (which must
+  divide L): see `k3jax.parallel.vision`.
   """
   config: VisionConfig
   query_block: int | None = None
@@ -246,6 +248,13 @@ def encode(vision_config: VisionConfig, variables, pixel_values, grid_thw, *,
     stage "encoded": [L, hidden] (the tower's per-patch output, after final_layernorm).
   The samples are packed into one stream padded to a bucket of `pack_buckets`, so `jit`
   compiles once per (bucket, stage), not once per image size.
+
+  Under a mesh — called inside `with jax.set_mesh(mesh):` (`k3jax.sharding.make_mesh`) — the
+  stream is split over `context` along its patches (the context axis size must divide the
+  bucket length; a ValueError names both otherwise), attention gathers keys/values over it
+  (`k3jax.parallel.vision`), and the result equals the unsharded call's. Nothing else
+  changes: the same arguments, one compile per (bucket, stage, mesh); `variables` may be
+  replicated or laid out with `sharding.param_shardings`.
   """
   cfg = vision_config
   if stage not in STAGES:
