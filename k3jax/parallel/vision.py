@@ -14,8 +14,10 @@ keys, values and their segment ids are all-gathered over `context`
 (`packed_attention_context_parallel`, inside `jax.shard_map`), and the op's block-diagonal mask
 over the gathered segment ids does the rest: a sample whose patches straddle shard boundaries
 still attends to all of them, no sample sees another, padding neither attends nor is attended.
-The merger (`sd2_tpool`, a scatter-add into merged tokens) and the projector then run on the
-sharded encoder output through the partitioner. The result equals the unsharded tower up to
+The merger (`sd2_tpool`, a scatter-add into merged tokens: a 2×2 window or a clip's frames may
+straddle a shard boundary, so the partitioner reduces the partial sums across `context`) writes
+merged tokens [B, L/4, …] that are split over `context` again, so the projector runs on
+shards too. The result equals the unsharded tower up to
 fp32 summation order (tests/vision/test_sharded.py).
 
 The constraint: the stream length L must be divisible by the context axis size (buckets are
@@ -73,22 +75,27 @@ def _heads_axis(mesh, h: int) -> str | None:
   return "tensor" if n > 1 and h % n == 0 else None
 
 
-def stream_spec(mesh, shape) -> P:
+def stream_spec(mesh, shape, *, strict: bool = True) -> P:
   """PartitionSpec of a stream array [B, L, …]: B over the batch axes that divide it, L over
-  `context` (checked: `check_stream_length`), the rest replicated."""
-  check_stream_length(shape[1], mesh)
+  `context`, the rest replicated. strict: L must be divisible (`check_stream_length`);
+  otherwise a length the context axis does not divide is replicated over it."""
+  if strict:
+    check_stream_length(shape[1], mesh)
+  elif shape[1] % sharding.axis_size(mesh, CONTEXT):
+    return P(_batch_axes(mesh, shape[0]))
   return P(_batch_axes(mesh, shape[0]), _context(mesh))
 
 
-def shard_stream(tree: Any) -> Any:
+def shard_stream(tree: Any, *, strict: bool = True) -> Any:
   """Under a mesh: every array [B, L, …] of `tree` (patches, activations, the per-patch
-  metadata) constrained to `stream_spec`; without one, `tree` unchanged. The constraints pin
-  the per-patch work (embeddings, position tables, norms, MLPs) to the stream's shards."""
+  metadata, merged tokens [B, L/4, …] with strict=False) constrained to `stream_spec`;
+  without one, `tree` unchanged. The constraints pin the per-patch (per-token) work —
+  embeddings, position tables, norms, MLPs, the projector — to the stream's shards."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return tree
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, stream_spec(mesh, x.shape))), tree)
+      x, NamedSharding(mesh, stream_spec(mesh, x.shape, strict=strict))), tree)
 
 
 # ------------------------------------------------------------------------------ attention

@@ -211,6 +211,9 @@ class VisionModel(nn.Module):
     n = patches.shape[1] // 4
     merged = jax.vmap(lambda a, i, w: ops.sd2_tpool_packed(a, i, w, n))(
         x, meta["merge_index"], meta["merge_weight"])
+    # Under a mesh: the merged tokens over `context` too (where it divides L/4), so that each
+    # shard projects its own share rather than all of them.
+    merged = parallel_vision.shard_stream(merged, strict=False)
     if stage == "merged":
       return merged
     return Projector(self.config, name="mm_projector")(merged)
