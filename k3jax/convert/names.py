@@ -10,7 +10,13 @@ Kinds (PyTorch → ours, for one slice):
   copy       same values, reshaped (norm weights, dt_bias [H·K] → [H,K], A_log [1,1,H,1] → [H])
   conv       [C, 1, W] → [W, H, K] (tap W−1 multiplies the current token on both sides)
   a_log_pad  K3's A_log [P ≥ H] (first H real, zero padding) → [H]
+  patch_conv the vision tower's patch conv [D, C, P, P] → [C·P·P, D]
   +mx        MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] decoded first
+
+With `config.vision` set, the vision tower and projector (spec §11, `k3jax.vision.names`) are
+leaves too: top-level `params/vision_tower/…` and `params/mm_projector/…`, released names
+`vision_tower.*` / `mm_projector.*` without a prefix; their fused wqkv [3·H·Dh, D] and wo
+[D, H·Dh] are `linear` (a transpose and a reshape), biases and norms `copy`.
 
 Spec: K3_SPEC.md §9; parameter tree: docs/contracts.md.
 """
@@ -29,7 +35,8 @@ from k3jax.quant import mx
 A_LOG_PAD = 128   # K3 stores A_log with 128 entries (96 real heads + 32 zeros)
 PREFIXES = {"kimi_linear": ("model.", "lm_head.weight"),
             "kimi_k3": ("language_model.model.", "language_model.lm_head.weight")}
-# Non-text parts of a K3 checkpoint (MoonViT, projector): not converted, reported.
+# Non-text parts of a K3 checkpoint (MoonViT, projector): skipped and reported when the config
+# has no vision tower (with one they are leaves, see `vision_leaves`).
 SKIPPED_PREFIXES = {"kimi_linear": (), "kimi_k3": ("vision_tower.", "mm_projector.",
                                                    "multi_modal_projector.")}
 
@@ -245,6 +252,24 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None) -> list[
            (d, 2 * d))
     add_layer(n, ("mtp", "layer"), _layer_items(c, MLA, MOE, False, expert_format), prefix=p)
     single(("mtp", "norm", "weight"), (d,), "copy", True, p + "shared_head.norm.weight", (d,))
+  if c.vision is not None:
+    out += vision_leaves(c.vision)
+  return out
+
+
+def vision_leaves(vc) -> list[Leaf]:
+  """One leaf per released vision tensor of VisionConfig `vc` (168 for MoonViT-V2), in release
+  order. Stored in the conversion's dtype like the text matmuls (the release's are all bf16)."""
+  from k3jax.vision import names as vnames
+  kinds = {"linear": "linear", "qkv": "linear", "wo": "linear", "conv": "patch_conv",
+           "copy": "copy"}
+  out = []
+  for s in vnames.tensor_specs(vc):
+    # k3jax shape from the map itself, on a zero-stride view (nothing allocated).
+    shape = vnames.to_k3jax(vc, s, np.broadcast_to(np.float32(0), s.shape)).shape
+    kind = "copy" if s.kind == "qkv" and len(s.shape) == 1 else kinds[s.kind]
+    out.append(Leaf("params", s.path, tuple(shape), kind, False, False,
+                    (Slot((), (s.name,), (s.shape,), ("float",)),)))
   return out
 
 
@@ -307,6 +332,8 @@ def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32) -> np.ndarra
     w = w[:, 0, :].T.reshape(shape)
   elif leaf.kind == "a_log_pad":
     w = w[:shape[0]]
+  elif leaf.kind == "patch_conv":
+    w = w.reshape(w.shape[0], -1).T
   else:
     raise ValueError(f"unknown kind {leaf.kind!r}")
   return w.astype(dtype, copy=False)
@@ -330,6 +357,8 @@ def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
   elif leaf.kind == "a_log_pad":
     w = np.zeros(tshape, np.float32)
     w[:x.shape[0]] = x
+  elif leaf.kind == "patch_conv":
+    w = x.T.reshape(tshape)
   else:
     raise ValueError(f"unknown kind {leaf.kind!r}")
   return [np.ascontiguousarray(w.astype(np.float32 if leaf.fp32 else dtype))]
@@ -339,5 +368,5 @@ def slot_nbytes(slot: Slot) -> int:
   return sum(math.prod(s) for s in slot.shapes)
 
 
-__all__ = ["Leaf", "Slot", "leaves", "align", "model_paths", "to_ours", "from_ours", "A_LOG_PAD", "PREFIXES",
+__all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "align", "model_paths", "to_ours", "from_ours", "A_LOG_PAD", "PREFIXES",
            "SKIPPED_PREFIXES"]

@@ -8,6 +8,11 @@ complete, so an interrupted run never leaves a directory that looks like a check
 
 export(src, dst): the inverse, to sharded safetensors + index + config.json (MXFP4 or unquantised
 experts; K3's A_log padded to 128), also via a temporary directory.
+
+A config with a vision tower (`ModelConfig.vision`) converts and exports its 168 (MoonViT-V2)
+`vision_tower.*` / `mm_projector.*` tensors with the text model (`names.vision_leaves`);
+`only="vision"` converts or exports the tower + projector alone (`k3jax.convert.vision`, which
+also reads Kimi K2.5's spellings: arch "kimi_k25").
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 from k3jax import hf_config
 from k3jax.config import ModelConfig
 from k3jax.convert import names as N
-from k3jax.convert.safetensors_io import ShardedWriter, Source
+from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
 
 MEMMAP_MIN_BYTES = 4 << 20    # leaves at least this big are built in memory-mapped scratch files
 _STORE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -49,16 +54,6 @@ def _check_dst(dst: pathlib.Path) -> None:
     raise ValueError(f"--dst {str(dst)!r} already exists; choose a new directory")
   if not dst.parent.is_dir():
     raise ValueError(f"--dst: parent directory {str(dst.parent)!r} does not exist")
-
-
-def read_config(src: pathlib.Path) -> dict:
-  p = src / "config.json"
-  if not p.exists():
-    raise ValueError(f"--src {str(src)!r}: no config.json")
-  try:
-    return json.loads(p.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{p}: not valid JSON ({e})") from None
 
 
 def resolve_arch(d: dict, arch: str) -> str:
@@ -194,20 +189,44 @@ def _set(tree: dict, path: tuple, value) -> None:
   tree[path[-1]] = value
 
 
+ONLY = ("all", "vision")
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
             dtype: str = "float32", allow_torch_pickle: bool = False, progress: bool = True,
-            log: Callable[[str], None] = print, **config_overrides) -> pathlib.Path:
+            log: Callable[[str], None] = print, only: str = "all",
+            **config_overrides) -> pathlib.Path:
   """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`.
 
   dtype: storage of matmul weights ("float32" or "bfloat16"); norms, A_log, dt_bias, convs and
-  the router stay float32 whatever it says.
+  the router stay float32 whatever it says; vision tensors follow it.
+  only: "all" (text model, and the vision tower when config.json has a vision_config) or
+  "vision" (the tower + projector alone, `k3jax.convert.vision.convert_vision`; arch
+  kimi_k3 or kimi_k25, "auto" reads config.json's model_type).
   """
   from k3jax.train.checkpoint import save_pretrained
   src, dst = pathlib.Path(src), pathlib.Path(dst)
+  if only not in ONLY:
+    raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
   if dtype not in _STORE:
     raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
   _check_dst(dst)
   d = read_config(src)
+  if only == "vision" or arch == "kimi_k25":
+    from k3jax.convert.vision import ARCHS, convert_vision
+    if only != "vision":
+      raise ValueError("--arch kimi_k25: only the vision tower converts (pass --only vision); "
+                       "the K2.5 text model (DeepSeek-V3 layout) is not a k3jax model")
+    if arch == "auto":
+      arch = d.get("model_type") if d.get("model_type") in ARCHS else "?"
+      if arch == "?":
+        raise ValueError(f"--only vision --arch auto: config.json model_type "
+                         f"{d.get('model_type')!r} is not one of {list(ARCHS)}")
+    if config_overrides:
+      raise ValueError(f"--only vision: config overrides {sorted(config_overrides)} apply to "
+                       "the text model only")
+    return convert_vision(src, dst, arch=arch, dtype=dtype,
+                          allow_torch_pickle=allow_torch_pickle, progress=progress, log=log)
   arch = resolve_arch(d, arch)
   config = hf_config.from_hf_config(d, **{"param_dtype": dtype, "dtype": dtype,
                                           **config_overrides})
@@ -300,17 +319,36 @@ def _flat_paths(tree, prefix=()):
 def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = None,
            expert_format: str | None = None, dtype: str = "bfloat16",
            max_shard_bytes: int = 4 << 30, progress: bool = True,
-           loaded: tuple[ModelConfig, dict] | None = None) -> pathlib.Path:
+           loaded: tuple[ModelConfig, dict] | None = None, only: str = "all") -> pathlib.Path:
   """Write a k3jax checkpoint (`src`, or an already `loaded` (config, variables)) as a
-  PyTorch-layout directory: sharded safetensors + index + config.json."""
+  PyTorch-layout directory: sharded safetensors + index + config.json.
+
+  With a vision tower in the config its tensors are written too (release names, `dtype`).
+  only="vision", or `src` a vision-only conversion (`vision_config.json`): the tower +
+  projector alone (`k3jax.convert.vision.export_vision`).
+  """
   src, dst = pathlib.Path(src) if src else None, pathlib.Path(dst)
+  if only not in ONLY:
+    raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
   if dtype not in _STORE:
     raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
   _check_dst(dst)
+  from k3jax.convert import vision as cv
+  if loaded is None and src is not None and (src / cv.CONFIG_FILE).exists():
+    return cv.export_vision(src, dst, dtype=dtype, progress=progress)
   if loaded is None:
     from k3jax.train.checkpoint import load_pretrained
     loaded = load_pretrained(src)
   config, variables = loaded
+  if only == "vision":
+    if config.vision is None:
+      raise ValueError("--only vision: the checkpoint's config has no vision tower")
+    params = variables.get("params", {})
+    return cv.export_vision(None, dst, dtype=dtype, progress=progress,
+                            media_placeholder_token_id=config.media_placeholder_token_id,
+                            loaded=(config.vision, {"params": {
+                                k: params[k] for k in ("vision_tower", "mm_projector")
+                                if k in params}}))
   arch = arch or ("kimi_k3" if hf_config.is_k3_style(config) else "kimi_linear")
   have = {p: tuple(np.shape(_get(variables, p))) for c in ("params", "balance")
           if c in variables for p in _flat_paths(variables[c], (c,))}

@@ -182,6 +182,17 @@ class Source:
     return out
 
 
+def read_config(src: pathlib.Path) -> dict:
+  """The config.json of checkpoint directory `src` as a dict (errors name the file)."""
+  p = pathlib.Path(src) / "config.json"
+  if not p.exists():
+    raise ValueError(f"--src {str(src)!r}: no config.json")
+  try:
+    return json.loads(p.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{p}: not valid JSON ({e})") from None
+
+
 # ---------------------------------------------------------------------- writing
 def _header_bytes(entries: list[tuple[str, np.dtype, tuple]], metadata: dict | None) -> bytes:
   header, off = {}, 0
@@ -271,5 +282,5 @@ def write_file(path: str | os.PathLike, tensors: dict[str, np.ndarray],
       f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
-__all__ = ["Source", "ShardedWriter", "read_header", "write_file", "TensorInfo", "DTYPES",
+__all__ = ["Source", "ShardedWriter", "read_header", "read_config", "write_file", "TensorInfo", "DTYPES",
            "INDEX_NAME", "SINGLE_NAME"]

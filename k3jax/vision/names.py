@@ -11,11 +11,11 @@ The release (PyTorch naming, bf16) spells the K3 tower as
   mm_projector.proj.{0,2}.weight, mm_projector.post_norm.weight
 — 168 tensors for MoonViT-V2. K2.5's original spelling is the same with a `.bias` beside every
 Linear, conv and LayerNorm and `mm_projector.pre_norm` instead of `post_norm`. (`transformers`'
-`save_pretrained` spelling of K2.5 differs — split q/k/v permuted for its rotate-half RoPE,
-other module paths — and is the converter's business, not this map's.)
+spellings of K2.5 — module paths, split q/k/v in its rotate-half RoPE order — are read by
+`k3jax.convert.vision`; `rope_half_to_pairs` below is the row permutation it needs.)
 
 The map is pure: names, shapes and the reshape of each tensor; no file IO. RoPE needs no
-permutation: the release and `ops.apply_rope` both rotate adjacent pairs (x[2i], x[2i+1]).
+permutation between the release and k3jax: both rotate adjacent pairs (x[2i], x[2i+1]).
 """
 
 from __future__ import annotations
@@ -160,5 +160,32 @@ def to_state_dict(config: VisionConfig, variables: dict) -> dict:
   return out
 
 
+def rope_half_to_pairs(head_dim: int) -> np.ndarray:
+  """Row order taking one head's q/k rows from rotate-half order to adjacent pairs. [head_dim].
+
+  `transformers`' Kimi_K25 vision attention rotates element p with element p + head_dim/2
+  (`rotate_half`); the release and `ops.apply_rope` rotate element 2p with 2p+1, by the same
+  angle (the p-th pair's). So adjacent-pair row 2p+s is rotate-half row p + s·head_dim/2:
+  pairs[e] = half[perm[e]] with perm[2p+s] = p + s·head_dim/2 (s ∈ {0, 1}). This is
+  transformers' `PermuteForRope` (view [half, 2] → transpose) read backwards; q·k per head is
+  unchanged because q and k get the same permutation. v is not permuted.
+  """
+  if head_dim % 2:
+    raise ValueError(f"head_dim: rotary pairs need an even head_dim, found {head_dim}")
+  half = head_dim // 2
+  return np.stack([np.arange(half), np.arange(half) + half], axis=-1).reshape(-1)
+
+
+def permute_heads(x: np.ndarray, num_heads: int, perm: np.ndarray) -> np.ndarray:
+  """Permute the rows inside each head of a q or k weight [H·Dh, in] or bias [H·Dh]:
+  out[h·Dh + e] = x[h·Dh + perm[e]]."""
+  x = np.asarray(x)
+  dh = x.shape[0] // num_heads
+  if dh * num_heads != x.shape[0] or perm.shape != (dh,):
+    raise ValueError(f"permute_heads: {x.shape[0]} rows are not {num_heads} heads of "
+                     f"{perm.shape[0]}")
+  return x.reshape(num_heads, dh, *x.shape[1:])[:, perm].reshape(x.shape)
+
+
 __all__ = ["TensorSpec", "tensor_specs", "name_map", "to_k3jax", "to_release",
-           "from_state_dict", "to_state_dict"]
+           "from_state_dict", "to_state_dict", "rope_half_to_pairs", "permute_heads"]

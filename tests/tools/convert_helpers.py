@@ -1,8 +1,9 @@
 """Test helpers: random K3Model weights and an independent, hand-written K3-layout writer.
 
-`write_k3_checkpoint` spells every PyTorch name and transpose out explicitly (K3_SPEC.md §9),
-without k3jax.convert's tensor map, so the converter is checked against a second reading of
-the spec rather than against itself.
+`write_k3_checkpoint` spells every PyTorch name and transpose out explicitly (K3_SPEC.md §9,
+and §11 for a MoonViT-V2 vision tower), without k3jax.convert's tensor map or
+k3jax.vision.names, so the converter is checked against a second reading of the spec rather
+than against itself.
 """
 
 from __future__ import annotations
@@ -121,6 +122,33 @@ def _layer_tensors(c: ModelConfig, params: dict, balance: dict, mixer: str, mlp:
       out[m + f"experts.{e}.{wn}.weight_scale"] = scale
 
 
+def moonvit_v2_tensors(params: dict) -> dict[str, np.ndarray]:
+  """The §11 release tensors of a MoonViT-V2 tower + projector, from k3jax params
+  {'vision_tower', 'mm_projector', …} (no biases; conv [D, 3, 14, 14]; fused wqkv [3·H·Dh, D]
+  with q, k, v outermost; wo [D, H·Dh])."""
+  vt, mp = params["vision_tower"], params["mm_projector"]
+  f = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  out = {}
+  k = f(vt["patch_embed"]["proj"]["kernel"])                        # [3·14·14, D]
+  out["vision_tower.patch_embed.proj.weight"] = np.ascontiguousarray(k.T.reshape(-1, 3, 14, 14))
+  out["vision_tower.patch_embed.pos_emb.weight"] = f(vt["patch_embed"]["pos_emb"]["weight"])
+  enc = vt["encoder"]
+  n = sum(1 for name in enc if name.startswith("blocks_"))
+  for i in range(n):
+    b, t = enc[f"blocks_{i}"], f"vision_tower.encoder.blocks.{i}."
+    out[t + "norm0.weight"] = f(b["norm0"]["weight"])
+    out[t + "norm1.weight"] = f(b["norm1"]["weight"])
+    out[t + "wqkv.weight"] = _lin(b["wqkv"]["kernel"])               # [D, 3, H, Dh]
+    out[t + "wo.weight"] = _lin(b["wo"]["kernel"], 2)                # [H, Dh, D]
+    out[t + "mlp.fc0.weight"] = _lin(b["mlp"]["fc0"]["kernel"])
+    out[t + "mlp.fc1.weight"] = _lin(b["mlp"]["fc1"]["kernel"])
+  out["vision_tower.encoder.final_layernorm.weight"] = f(enc["final_layernorm"]["weight"])
+  out["mm_projector.proj.0.weight"] = _lin(mp["proj_0"]["kernel"])
+  out["mm_projector.proj.2.weight"] = _lin(mp["proj_2"]["kernel"])
+  out["mm_projector.post_norm.weight"] = f(mp["post_norm"]["weight"])
+  return out
+
+
 def k3_tensors(c: ModelConfig, variables: dict) -> dict[str, np.ndarray]:
   """The K3 checkpoint tensors (PyTorch names) of our variables."""
   params, balance = variables["params"], variables.get("balance", {})
@@ -151,6 +179,8 @@ def k3_tensors(c: ModelConfig, variables: dict) -> dict[str, np.ndarray]:
     out[mp + "eh_proj.weight"] = _lin(params["mtp"]["eh_proj"]["kernel"])
     out[mp + "shared_head.norm.weight"] = np.asarray(params["mtp"]["norm"]["weight"])
     _layer_tensors(c, params["mtp"]["layer"], balance["mtp"]["layer"], MLA, MOE, False, mp, out)
+  if c.vision is not None:
+    out.update(moonvit_v2_tensors(params))
   return out
 
 
