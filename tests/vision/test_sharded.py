@@ -18,6 +18,8 @@ from k3jax.vision.packing import META_FIELDS
 # sample 0 straddles the boundary at 16, the clip (patches 28–51) the ones at 32 and 48, and
 # shard 3 ends in 12 padding patches.
 GRID = np.array([[1, 4, 6], [1, 2, 2], [3, 2, 4]])
+# One image filling the bucket: each shard holds two of its eight rows.
+ONE_IMAGE = np.array([[1, 8, 8]])
 
 
 def _devices(n):
@@ -99,15 +101,17 @@ def test_single_device_path_is_the_op_itself():
 # ----------------------------------------------------------------------------- the tower
 @pytest.mark.parametrize("name", ["tiny_moonvit_v2", "tiny_moonvit_k25"])
 def test_context_sharded_encode_equals_unsharded(name):
-  """One packed stream split over context = 4: encoded patches and projected tokens equal the
-  unsharded tower's (one compile per stage and layout: the patches of K2.5 only projected)."""
+  """One packed stream split over context = 4 — three samples, or one image over all four
+  shards — encoded patches and projected tokens equal the unsharded tower's (one compile per
+  stage and layout, both grids share the 64-patch bucket; K2.5: projected tokens only)."""
   cfg, variables = _variables(name)
-  px = _pixels(GRID)
   stages = ("encoded", "projected") if name == "tiny_moonvit_v2" else ("projected",)
-  want = {s: encode(cfg, variables, px, GRID, stage=s) for s in stages}
-  with jax.set_mesh(_mesh(context=4)):
-    for s in stages:
-      _close(encode(cfg, variables, px, GRID, stage=s), want[s], s)
+  for grid in (GRID, ONE_IMAGE):
+    px = _pixels(grid)
+    want = {s: encode(cfg, variables, px, grid, stage=s) for s in stages}
+    with jax.set_mesh(_mesh(context=4)):
+      for s in stages:
+        _close(encode(cfg, variables, px, grid, stage=s), want[s], (s, grid.tolist()))
 
 
 def test_context_sharded_tower_gathers_keys_and_blocks_queries():
