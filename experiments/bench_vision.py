@@ -19,6 +19,14 @@ Forward only, in fp32; widths of `--preset` (moonvit_v2: hidden 1024, 12 heads o
 4096) with `--layers` blocks; time = min over `--repeats` (the machine may be shared: the load
 average is stored, and the ratio is the figure to compare). With --json the JSON object is also
 written to that file (a temporary file, renamed).
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+      .venv/bin/python -m experiments.bench_vision --context 4
+
+also runs the tower with the stream split over a context axis of that many devices
+(`k3jax.parallel.vision`) and reports its largest difference from the unsharded tower, relative
+to the output's largest magnitude (its time on simulated CPU devices says nothing of a real
+mesh and is stored only for the record).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer("length", None, "stream length (default: Σ t·h·w, no padding)", **fv)
   flags.DEFINE_integer("query_block", None, "the tower's query_block", **fv)
   flags.DEFINE_integer("repeats", 5, "timed repeats (min is reported)", **fv)
+  flags.DEFINE_integer("context", 0, "also run the tower split over a context axis of this many "
+                       "devices and compare it with the unsharded one (0: no)", **fv)
 
 
 def parse_grid(text: str) -> np.ndarray:
@@ -104,7 +114,7 @@ def tower_flops(cfg, length: int) -> float:
 
 
 def run(preset: str, layers: int, grid: np.ndarray, length: int | None,
-        query_block: int | None, repeats: int) -> dict:
+        query_block: int | None, repeats: int, context: int = 0) -> dict:
   """Times the tower, the dense reference and the packed-only pieces; returns the figures."""
   from k3jax.vision import VisionModel, init_vision, pack, vision_preset  # noqa: PLC0415
   from k3jax.vision import ops  # noqa: PLC0415
@@ -156,7 +166,11 @@ def run(preset: str, layers: int, grid: np.ndarray, length: int | None,
       "merger": (jax.jit(merge), (x, meta)),
   }, repeats)
   flops = tower_flops(cfg, length)
+  sharded = {}
+  if context:
+    sharded = _context_run(cfg, tower("encoded"), (variables, patches, meta), context, repeats)
   return {
+      **sharded,
       "preset": preset, "layers": layers, "hidden": cfg.hidden_size, "heads": h,
       "head_dim": dh, "mlp": cfg.intermediate_size, "grid": grid.tolist(),
       "patches": num, "stream_length": length, "query_block": query_block,
@@ -168,6 +182,25 @@ def run(preset: str, layers: int, grid: np.ndarray, length: int | None,
       "merger_projector_ms": 1e3 * (t["projected"] - t["tower"]),
       "pieces_ms": {k: 1e3 * v for k, v in pieces.items()},
   }
+
+
+def _context_run(cfg, fn, args, context: int, repeats: int) -> dict:
+  """The tower under a mesh with context = `context` against the unsharded tower."""
+  from k3jax import sharding  # noqa: PLC0415
+  if jax.device_count() < context:
+    raise ValueError(f"--context={context}: only {jax.device_count()} devices; set "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={context}")
+  want = np.asarray(fn(*args))
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, context=context),
+                            jax.devices()[:context])
+  with jax.set_mesh(mesh):
+    out = fn(*args)
+    t = _time_round_robin({"sharded": (fn, args)}, repeats)["sharded"]
+  # The output's layout shows the sharded program ran (the stream split over `context`).
+  spec = str(out.sharding.spec) if hasattr(out.sharding, "spec") else str(out.sharding)
+  err = float(np.max(np.abs(np.asarray(out) - want)) / np.max(np.abs(want)))
+  return {"context": context, "context_max_rel_err": err, "context_tower_ms": 1e3 * t,
+          "context_out_spec": spec}
 
 
 def _emit(res: dict, path: str | None) -> None:
@@ -188,7 +221,7 @@ def main(argv):
   load = os.getloadavg()[0]
   print(f"backend={jax.default_backend()} cpus={os.cpu_count()} load1={load:.1f} "
         f"preset={fl.preset} layers={fl.layers} fp32 forward")
-  res = run(fl.preset, fl.layers, grid, fl.length, fl.query_block, fl.repeats)
+  res = run(fl.preset, fl.layers, grid, fl.length, fl.query_block, fl.repeats, fl.context)
   res.update(backend=jax.default_backend(), load1=load,
              date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
   print(f"{res['patches']} patches ({len(grid)} samples) in a stream of {res['stream_length']}")
@@ -201,6 +234,10 @@ def main(argv):
         f"{res['projected_ms']:.1f} ms)")
   for name, ms in res["pieces_ms"].items():
     print(f"  {name:<18}{ms:9.2f} ms")
+  if fl.context:
+    print(f"context = {fl.context} (simulated devices): max |sharded − unsharded| / max |out| = "
+          f"{res['context_max_rel_err']:.2e}, {res['context_tower_ms']:.1f} ms, output "
+          f"{res['context_out_spec']}")
   _emit(res, fl.json)
 
 
