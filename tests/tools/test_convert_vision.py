@@ -316,3 +316,15 @@ def test_existing_destination_is_refused(v2, tmp_path):
   with pytest.raises(ValueError, match="already exists"):
     convert(v2[2], tmp_path / "out", arch="kimi_k3", only="vision", **QUIET)
   assert os.listdir(tmp_path / "out") == ["keep"]
+
+
+def test_load_vision_errors(v2, tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    load_vision(tmp_path / "nothing")
+  dst = convert(v2[2], tmp_path / "conv", arch="kimi_k3", only="vision", **QUIET)
+  s = Source(dst)
+  tensors = {n: s.get(n) for n in s.names()}
+  tensors.pop("params/mm_projector/proj_2/kernel")
+  write_file(dst / "vision_params.safetensors", tensors)
+  with pytest.raises(ValueError, match=r"missing: \['params/mm_projector/proj_2/kernel'\]"):
+    load_vision(dst)

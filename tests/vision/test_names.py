@@ -105,3 +105,31 @@ def test_state_dict_errors_name_the_tensor():
   bad = {**sd, "vision_tower.encoder.blocks.1.wo.weight": np.zeros((32, 31))}
   with pytest.raises(ValueError, match=r"blocks.1.wo.weight: expected shape \(32, 32\)"):
     vnames.from_state_dict(cfg, bad)
+
+
+def test_rope_half_to_pairs_turns_rotate_half_into_adjacent_pairs():
+  """transformers' rotate-half RoPE on the rows as it stores them = `ops.apply_rope` (adjacent
+  pairs, layout interleaved_cols_rows) on the rows permuted by `rope_half_to_pairs`."""
+  from k3jax.vision import ops
+  dh, h = 16, 2
+  perm = vnames.rope_half_to_pairs(dh)
+  np.testing.assert_array_equal(vnames.rope_half_to_pairs(8), [0, 4, 1, 5, 2, 6, 3, 7])
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(5, h, dh)).astype(np.float32)         # rows in transformers' order
+  rows, cols = rng.integers(0, 20, 5), rng.integers(0, 20, 5)
+  # transformers: angles per element, (col, row) interleaved over j, the half repeated
+  f = 10000.0 ** (-np.arange(dh // 4) / (dh // 4))
+  half = np.stack([cols[:, None] * f, rows[:, None] * f], -1).reshape(5, dh // 2)
+  ang = np.concatenate([half, half], -1)[:, None, :]
+  rot = np.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)
+  theirs = x * np.cos(ang) + rot * np.sin(ang)
+  angles = ops.rope_angles(rows, cols, dh, theta=10000.0, layout="interleaved_cols_rows")
+  ours = np.asarray(ops.apply_rope(x[..., perm], angles))
+  np.testing.assert_allclose(ours, theirs[..., perm], rtol=1e-5, atol=1e-5)
+  # on a weight [H·Dh, in]: rows permuted inside each head, heads kept in place
+  w = np.arange(h * dh * 3).reshape(h * dh, 3)
+  pw = vnames.permute_heads(w, h, perm)
+  np.testing.assert_array_equal(pw[dh:], w[dh:][perm])
+  np.testing.assert_array_equal(pw[:dh], w[:dh][perm])
+  with pytest.raises(ValueError, match="are not 3 heads"):
+    vnames.permute_heads(w, 3, perm)
