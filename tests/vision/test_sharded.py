@@ -132,7 +132,7 @@ def test_context_sharded_tower_gathers_keys_and_blocks_queries():
 
 def test_batch_over_data_and_stream_over_context():
   """Two streams [2, 64] on a data = 2 × context = 2 mesh: each row equals that stream encoded
-  alone without a mesh."""
+  alone without a mesh; so does `encode` (one stream) on the same mesh."""
   cfg, variables = _variables("tiny_moonvit_v2", seed=4)
   grids = [GRID, np.array([[1, 6, 4], [2, 4, 4], [1, 2, 2]])]   # 24 + 32 + 4 = 60 patches
   pxs = [_pixels(g, seed=i) for i, g in enumerate(grids)]
@@ -148,8 +148,13 @@ def test_batch_over_data_and_stream_over_context():
   with jax.set_mesh(mesh):
     got = jax.jit(lambda p, m: VisionModel(cfg).apply(variables, p, m))(
         put(patches), jax.tree.map(put, meta))
-  for i, (x, g, pk) in enumerate(zip(pxs, grids, packs)):
-    _close(got[i, :pk.num_merged], encode(cfg, variables, x, g), f"stream {i}")
+  want = [encode(cfg, variables, x, g) for x, g in zip(pxs, grids)]
+  for i, pk in enumerate(packs):
+    _close(got[i, :pk.num_merged], want[i], f"stream {i}")
+  # encode's single stream: B = 1 is not divisible by data = 2, so it is replicated over data.
+  assert pv.stream_spec(mesh, (1, 64)) == P(None, "context")
+  with jax.set_mesh(mesh):
+    _close(encode(cfg, variables, pxs[0], grids[0]), want[0], "encode on data × context")
 
 
 # ----------------------------------------------------------------------------- errors
