@@ -17,8 +17,8 @@ still attends to all of them, no sample sees another, padding neither attends no
 The merger (`sd2_tpool`, a scatter-add into merged tokens: a 2×2 window or a clip's frames may
 straddle a shard boundary, so the partitioner reduces the partial sums across `context`) writes
 merged tokens [B, L/4, …] that are split over `context` again, so the projector runs on
-shards too. The result equals the unsharded tower up to
-fp32 summation order (tests/vision/test_sharded.py).
+shards too. The result equals the unsharded tower up to fp32 summation order
+(tests/vision/test_sharded.py).
 
 The constraint: the stream length L must be divisible by the context axis size (buckets are
 powers of two, so any power-of-two context axis up to the smallest bucket works); otherwise
