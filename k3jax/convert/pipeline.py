@@ -77,7 +77,8 @@ def _fmt_list(items: list, limit: int = 20) -> str:
 def validate(source: Source, leaves: list[N.Leaf], arch: str) -> list[str]:
   """Raise ValueError listing missing / unexpected / wrong-shape / wrong-dtype tensors.
 
-  Returns the names of tensors skipped on purpose (a K3 checkpoint's vision tower).
+  Returns the names of tensors skipped on purpose (a K3 checkpoint's vision tower when the
+  config has none).
   """
   expected = {}
   for leaf in leaves:
@@ -86,6 +87,10 @@ def validate(source: Source, leaves: list[N.Leaf], arch: str) -> list[str]:
         expected[name] = (shape, kind)
   have = source.infos
   skip = N.SKIPPED_PREFIXES[arch]
+  if any(leaf.path[0] in ("vision_tower", "mm_projector") for leaf in leaves):
+    # The config has a vision tower: its tensors are converted, so an unknown
+    # `vision_tower.*` / `mm_projector.*` name is an error, not a skipped extra.
+    skip = tuple(p for p in skip if p not in ("vision_tower.", "mm_projector."))
   skipped = sorted(n for n in have if n not in expected and n.startswith(skip))
   missing = sorted(set(expected) - set(have))
   unexpected = sorted(set(have) - set(expected) - set(skipped))

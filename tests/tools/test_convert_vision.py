@@ -238,6 +238,17 @@ def test_full_k3_checkpoint_converts_text_and_vision(tmp_path):
   assert Source(only).names() == sorted(n for n in tensors
                                         if n.startswith(("vision_tower.", "mm_projector.")))
 
+  # with a vision_config, an unknown vision name is an error (not skipped), as is a missing one
+  bad = _edit(src, tmp_path, lambda t: t.update(
+      {"vision_tower.encoder.blocks.0.wqkv.bias": np.zeros(96, np.float32)}), name="bad_full")
+  with pytest.raises(ValueError, match=r"(?s)1 unexpected tensor\(s\).*\n  vision_tower\."
+                     r"encoder\.blocks\.0\.wqkv\.bias"):
+    convert(bad, tmp_path / "out", arch="kimi_k3", **QUIET)
+  bad = _edit(src, tmp_path, lambda t: t.pop("mm_projector.post_norm.weight"), name="bad_full2")
+  with pytest.raises(ValueError, match=r"1 missing tensor\(s\):\n  mm_projector\.post_norm"):
+    convert(bad, tmp_path / "out", arch="kimi_k3", **QUIET)
+  assert not (tmp_path / "out").exists()
+
 
 # ---------------------------------------------------------------------- bad inputs
 def _edit(src, tmp_path, edit_tensors=None, edit_config=None, name="bad"):
@@ -247,7 +258,7 @@ def _edit(src, tmp_path, edit_tensors=None, edit_config=None, name="bad"):
     s = Source(d)
     tensors = {n: s.get(n) for n in s.names()}
     edit_tensors(tensors)
-    for f in d.glob("*.safetensors"):
+    for f in list(d.glob("*.safetensors")) + list(d.glob("*.index.json")):
       f.unlink()
     write_file(d / "model.safetensors", tensors)
   if edit_config:
