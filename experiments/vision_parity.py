@@ -102,7 +102,8 @@ def reference_outputs(tower, projector, pixel_values, grid_thw):
   """transformers' merged [N, 4, hidden] and projected [N, text_hidden] (numpy fp32)."""
   import torch
   with torch.no_grad():
-    merged = tower(torch.from_numpy(pixel_values), grid_thw=torch.from_numpy(grid_thw)).pooler_output
+    out = tower(torch.from_numpy(pixel_values), grid_thw=torch.from_numpy(grid_thw))
+    merged = out.pooler_output
     projected = projector(merged).squeeze(1)
   return merged.numpy(), projected.numpy()
 

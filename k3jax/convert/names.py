@@ -368,5 +368,5 @@ def slot_nbytes(slot: Slot) -> int:
   return sum(math.prod(s) for s in slot.shapes)
 
 
-__all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "align", "model_paths", "to_ours", "from_ours", "A_LOG_PAD", "PREFIXES",
-           "SKIPPED_PREFIXES"]
+__all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "align", "model_paths", "to_ours",
+           "from_ours", "A_LOG_PAD", "PREFIXES", "SKIPPED_PREFIXES"]
