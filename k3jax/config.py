@@ -14,7 +14,12 @@ Spec references: K3_SPEC.md §1 (Table 1), §2 (layout), §3–6 (components), �
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from k3jax.presets import from_presets
+
+if TYPE_CHECKING:
+  from k3jax.vision.config import VisionConfig
 
 KDA = "kda"
 MLA = "mla"
@@ -86,6 +91,11 @@ class ModelConfig:
 
   # --- Multi-token prediction (one extra layer predicting token t+2)
   num_mtp_layers: int = 1
+
+  # --- Native vision (§11): the tower + projector, or None for a text-only model. The
+  # projector's outputs replace the embeddings at `media_placeholder_token_id` positions.
+  vision: VisionConfig | None = None
+  media_placeholder_token_id: int | None = None
 
   # --- Quantile Balancing statistics sown by MoE layers (§7)
   qb_num_bins: int = 1000
@@ -226,11 +236,31 @@ class ModelConfig:
     if not any(self.is_mla(i) for i in range(self.num_layers)):
       bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
           "mla_last=False leave no MLA layer")
+    self._validate_vision(bad)
+
+  def _validate_vision(self, bad) -> None:
+    pid = self.media_placeholder_token_id
+    if self.vision is None:
+      if pid is not None:
+        bad("media_placeholder_token_id", f"{pid} is set but vision is None (a text-only model "
+            "has no media to place)")
+      return
+    from k3jax.vision.config import VisionConfig  # the vision package imports this module
+    if not isinstance(self.vision, VisionConfig):
+      bad("vision", f"expected a VisionConfig or None, found {type(self.vision).__name__}")
+    if self.vision.text_hidden_size != self.d_model:
+      bad("vision", f"the projector's text_hidden_size {self.vision.text_hidden_size} must "
+          f"equal d_model={self.d_model}")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < self.vocab_size:
+      bad("media_placeholder_token_id", f"a model with vision needs a token id in "
+          f"[0, vocab_size={self.vocab_size}), found {pid!r}")
 
 
 # ---------------------------------------------------------------------- presets
 def _k3() -> dict:
-  return dict(name="k3")  # the dataclass defaults are K3 (Table 1)
+  # The dataclass defaults are K3's text model (Table 1); the release carries MoonViT-V2 (§11).
+  from k3jax.vision.config import vision_preset  # the vision package imports this module
+  return dict(name="k3", vision=vision_preset("moonvit_v2"), media_placeholder_token_id=163605)
 
 
 def _kimi_linear_48b() -> dict:
@@ -272,6 +302,13 @@ def _tiny() -> dict:
   )
 
 
+def _tiny_multimodal() -> dict:
+  # tiny + a 2-layer MoonViT-V2 tower; id 260 is the byte tokenizer's <media> placeholder.
+  from k3jax.vision.config import vision_preset  # the vision package imports this module
+  return {**_tiny(), **dict(name="tiny_multimodal", media_placeholder_token_id=260,
+                            vision=vision_preset("tiny_moonvit_v2", text_hidden_size=64))}
+
+
 def _tiny_kimi_linear() -> dict:
   return {**_kimi_linear_48b(), **dict(
       name="tiny_kimi_linear", vocab_size=256 + 16, d_model=64, num_layers=6,
@@ -286,20 +323,9 @@ PRESETS = {
     "kimi_linear_48b": _kimi_linear_48b,
     "small": _small,
     "tiny": _tiny,
+    "tiny_multimodal": _tiny_multimodal,
     "tiny_kimi_linear": _tiny_kimi_linear,
 }
-
-
-def from_presets(cls, presets: dict, name: str, overrides: dict, label: str = "preset"):
-  """`cls` built from `presets[name]()` with `overrides` applied; an unknown name or field
-  raises ValueError naming it (`label` names the kind of preset in the message)."""
-  if name not in presets:
-    raise ValueError(f"unknown {label} {name!r}; expected one of {sorted(presets)}")
-  fields = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise ValueError(f"unknown {cls.__name__} field(s) {unknown}")
-  return cls(**{**presets[name](), **overrides})
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

@@ -5,7 +5,8 @@ Two source layouts (K3_SPEC.md §9):
   `q_lora_rank: null`, classic MoE, SwiGLU, no AttnRes.
 - Kimi K3 (`model_type: "kimi_k3"`): the language model under `text_config` (itself
   `model_type: "kimi_linear"`) with the K3 additions (`gate_lower_bound`, `use_full_rank_gate`,
-  `routed_expert_hidden_size`, `attn_res_block_size`, SiTU, MLA output gate).
+  `routed_expert_hidden_size`, `attn_res_block_size`, SiTU, MLA output gate), and beside it
+  the vision tower's `vision_config` and `media_placeholder_token_id` (§11) when present.
 
 `from_hf_config` refuses what our model cannot reproduce (grouped top-k that actually restricts
 groups, non-sigmoid routers, no renormalisation, RoPE, biases, a layer layout other than
@@ -21,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from k3jax.config import ModelConfig
+from k3jax.vision.config import vision_config_from_hf, vision_config_to_hf
 
 K3_MODEL_TYPE = "kimi_k3"
 KIMI_LINEAR_MODEL_TYPE = "kimi_linear"
@@ -207,6 +209,7 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
       routed_scaling_factor=float(_first(tc, "routed_scaling_factor", default=1.0)),
       attn_res_block_size=_first(tc, "attn_res_block_size", default=None),
       num_mtp_layers=mtp,
+      **_vision_fields(d, int(req("hidden_size"))),
   )
   if kw["kda_lower_bound"] is not None:
     kw["kda_lower_bound"] = float(kw["kda_lower_bound"])
@@ -217,6 +220,22 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
   if unknown:
     raise ValueError(f"overrides: unknown ModelConfig field(s) {unknown}")
   return ModelConfig(**{**kw, **overrides})
+
+
+def _vision_fields(d: dict, d_model: int) -> dict:
+  """{vision, media_placeholder_token_id} from the top level of a config dict (§11): both
+  absent for a text-only model; a vision_config needs its placeholder id."""
+  vc = d.get("vision_config")
+  if vc is None:
+    return {}
+  if not isinstance(vc, dict):
+    _bad("vision_config", "an object", vc)
+  pid = d.get("media_placeholder_token_id")
+  if not isinstance(pid, int) or isinstance(pid, bool):
+    _bad("media_placeholder_token_id", "an int token id (a vision_config is present)", pid)
+  return dict(vision=vision_config_from_hf(
+      vc, text_hidden_size=d_model, projector_norm_eps=d.get("projection_layer_norm_eps")),
+      media_placeholder_token_id=pid)
 
 
 def ignored_keys(d: dict) -> dict[str, str]:
@@ -244,7 +263,7 @@ def is_k3_style(c: ModelConfig) -> bool:
   """True when the config needs the K3 checkpoint layout (any K3-only feature)."""
   return (c.attn_res_block_size is not None or c.latent_moe_dim is not None
           or c.full_rank_gates or c.kda_lower_bound is not None or c.mla_output_gate
-          or c.activation == "situ")
+          or c.activation == "situ" or c.vision is not None)
 
 
 def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
@@ -257,7 +276,8 @@ def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
   if arch not in ("kimi_linear", "kimi_k3"):
     raise ValueError(f"arch: expected 'kimi_linear' or 'kimi_k3', found {arch!r}")
   if arch == "kimi_linear":
-    for f, ok in (("attn_res_block_size", c.attn_res_block_size is None),
+    for f, ok in (("vision", c.vision is None),
+                  ("attn_res_block_size", c.attn_res_block_size is None),
                   ("latent_moe_dim", c.latent_moe_dim is None),
                   ("full_rank_gates", not c.full_rank_gates),
                   ("kda_lower_bound", c.kda_lower_bound is None),
@@ -310,8 +330,12 @@ def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
     tc.update(routed_expert_hidden_size=c.latent_moe_dim, latent_moe_use_norm=True)
   if c.attn_res_block_size is not None:
     tc["attn_res_block_size"] = c.attn_res_block_size
-  return dict(model_type=K3_MODEL_TYPE, architectures=["KimiK3ForConditionalGeneration"],
-              tie_word_embeddings=c.tie_word_embeddings, text_config=tc)
+  out = dict(model_type=K3_MODEL_TYPE, architectures=["KimiK3ForConditionalGeneration"],
+             tie_word_embeddings=c.tie_word_embeddings, text_config=tc)
+  if c.vision is not None:
+    out.update(vision_config=vision_config_to_hf(c.vision),
+               media_placeholder_token_id=c.media_placeholder_token_id)
+  return out
 
 
 __all__ = ["from_hf_config", "to_hf_config", "ignored_keys", "detect_arch", "text_config",

@@ -27,6 +27,10 @@ changes), and a document's logits are bit-for-bit independent of the other docum
 layer masks with exact zeros; tests/test_model.py), with dropless MoE — with a capacity
 factor, the tokens of a batch compete for an expert's rows by design.
 
+Media (spec §11, when `config.vision` is set): the vision tower `vision_tower` and projector
+`mm_projector` (top-level params, the release's names) encode a `k3jax.vision.media.Media`;
+the projected tokens replace the embeddings at `media_placeholder_token_id`, in order.
+
 Decoding goes through the same layers: `K3Model.extend(tokens, cache, num_new)` feeds T new
 tokens per row on top of a `k3jax.cache.Cache` (from `init_cache`); every token mixer extends
 its own cache (the scanned groups carry theirs as scan inputs and outputs, so a decode step
@@ -55,6 +59,10 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attnres import attn_res_source_counts, blocks_before
+from k3jax.vision import ops as vision_ops
+from k3jax.vision.media import Media, check_placeholders, place_media
+from k3jax.vision.packing import META_FIELDS, pack
+from k3jax.vision.tower import Projector, VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -248,9 +256,10 @@ def mtp_document_ids(doc_ids):
 class K3Model(nn.Module):
   """The language model. See the module docstring.
 
-  __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False)
+  __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False, media=None)
     → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab]) with return_mtp.
-  extend(tokens [B,T], cache, num_new [B]) → (logits, hidden [B,T,d] fp32, cache): decoding.
+  extend(tokens [B,T], cache, num_new [B], media=None) → (logits, hidden [B,T,d] fp32,
+    cache): decoding.
   draft(hidden [B,T,d], next_tokens [B,T], cache, num_new [B]) → (MTP logits, cache).
   init_cache(batch, max_len) → a zero `Cache` (needs no variables).
   """
@@ -281,20 +290,24 @@ class K3Model(nn.Module):
       self.lm_head = linear(cfg, cfg.vocab_size, ("embed", "vocab"), name="lm_head")
     if cfg.num_mtp_layers:
       self.mtp = MTP(cfg)
+    if cfg.vision is not None:
+      self.vision_tower = VisionTower(cfg.vision)
+      self.mm_projector = Projector(cfg.vision)
 
   def _unrolled(self) -> list[int]:
     prefix, groups, _ = self.config.stack_layout()
     return [*range(prefix), *range(prefix + groups * self.config.mla_every,
                                    self.config.num_layers)]
 
-  def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False):
+  def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False,
+               media: Media | None = None):
     cfg = self.config
     _check_tokens(tokens, cfg.vocab_size, segment_ids)
     if segment_ids is not None:
       segment_ids = document_ids(segment_ids)
     if return_mtp and not cfg.num_mtp_layers:
       raise ValueError("K3Model: return_mtp=True needs config.num_mtp_layers=1, found 0")
-    x = self.embed_tokens(tokens)
+    x = self._embed(tokens, media)
     h, _ = self._stack(x, segment_ids)
     logits = self._head(h)
     if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
@@ -309,8 +322,9 @@ class K3Model(nn.Module):
       self.mtp(h, x, segment_ids)  # init only: create the MTP params whatever T is
     return logits
 
-  def extend(self, tokens, cache: Cache, num_new):
-    """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`.
+  def extend(self, tokens, cache: Cache, num_new, media: Media | None = None):
+    """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
+    fills the placeholders among them (a prompt's images, at prefill).
 
     Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (before the final norm: the MTP
     input), cache with every layer's cache extended and lengths + num_new). Outputs past
@@ -319,7 +333,8 @@ class K3Model(nn.Module):
     """
     _check_feed("extend", tokens, cache.lengths, num_new)
     feed = Feed(cache.lengths, num_new)
-    h, stack = self._stack(self.embed_tokens(tokens), None, cache.stack, feed)
+    h, stack = self._stack(self._embed(tokens, media, "K3Model.extend"), None, cache.stack,
+                           feed)
     return self._head(h), h, cache.replace(lengths=cache.lengths + num_new, stack=stack)
 
   def draft(self, hidden, next_tokens, cache: Cache, num_new):
@@ -340,6 +355,35 @@ class K3Model(nn.Module):
   def init_cache(self, batch: int, max_len: int) -> Cache:
     """A zero cache for `batch` sequences of up to `max_len` tokens (see k3jax/cache.py)."""
     return Cache.zeros(self.config, batch, max_len)
+
+  def _embed(self, tokens, media: Media | None, where: str = "K3Model"):
+    """Token embeddings fp32 [B,T,d], the media's projected tokens at the placeholders."""
+    cfg = self.config
+    x = self.embed_tokens(tokens)
+    if cfg.vision is None:
+      if media is not None:
+        raise ValueError(f"{where}: media given but config.vision is None (a text-only model)")
+      return x
+    if media is None:
+      if self.is_initializing():  # create the tower's params whatever the inputs are
+        self.encode_media(_dummy_media(cfg.vision))
+      return x
+    check_placeholders(tokens, media, cfg.media_placeholder_token_id, where)
+    return place_media(x, tokens, self.encode_media(media), media.num_merged,
+                       cfg.media_placeholder_token_id)
+
+  def encode_media(self, media: Media):
+    """Vision tower → sd2_tpool merger → projector: media [S streams of L patches] →
+    [S, L/4, d] fp32 (stream s's first num_merged[s] rows are its merged tokens, in order)."""
+    cfg = self.config.vision
+    if media.patches.ndim != 3 or media.patches.shape[-1] != cfg.patch_dim:
+      raise ValueError(f"media.patches: expected [S, L, {cfg.patch_dim}], found "
+                       f"{media.patches.shape}")
+    n = media.patches.shape[1] // 4
+    x = self.vision_tower(media.patches, media.meta)
+    merged = jax.vmap(lambda a, i, w: vision_ops.sd2_tpool_packed(a, i, w, n))(
+        x, media.meta["merge_index"], media.meta["merge_weight"])
+    return self.mm_projector(merged).astype(jnp.float32)
 
   def _stack(self, x, segment_ids=None, cache=None, feed=None):
     """Embeddings x [B,T,d] fp32 through every layer → (h [B,T,d] fp32 before the final norm,
@@ -383,6 +427,15 @@ class K3Model(nn.Module):
     if self.config.tie_word_embeddings:
       return self.embed_tokens.attend(h.astype(dtype_of(self.config.dtype))).astype(jnp.float32)
     return self.lm_head(h).astype(jnp.float32)
+
+
+def _dummy_media(vision_config) -> Media:
+  """One 2×2 image in the smallest bucket: what `init` runs the vision tower on."""
+  length = vision_config.pack_buckets[0]
+  meta = pack(vision_config, [[1, 2, 2]], length=length).meta
+  return Media(patches=jnp.zeros((1, length, vision_config.patch_dim), jnp.float32),
+               meta={k: jnp.asarray(meta[k])[None] for k in META_FIELDS},
+               num_merged=jnp.ones((1,), jnp.int32))
 
 
 def layer_kinds(config: ModelConfig) -> dict:

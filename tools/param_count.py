@@ -9,12 +9,10 @@ module is excluded from both and reported on its own; the selection-only router 
 (collection "balance") is not a parameter and is reported separately. Spec §1: k3 gives
 2.7795T total and 104.19B activated.
 
-vision: the vision tower (`vision_tower/*`) and the projector (`mm_projector/*`) of
-`k3jax.vision`, counted from `init_vision` under `jax.eval_shape`, reported as
+vision: when the config has a vision tower (`config.vision`; k3 carries MoonViT-V2), its
+parameters (`vision_tower/*`) and the projector's (`mm_projector/*`) are reported as
 {"preset", "tower", "projector", "total"} beside — never inside — the text totals above.
-`ModelConfig` has no vision field yet, so the tower comes from `--vision_preset`: default the
-mapping VISION_PRESETS (k3 → moonvit_v2; presets without an entry have no vision tower and
-get no `vision` entry), "none" drops it, any other name is a `k3jax.vision` preset (its
+`--vision_preset none` drops the tower, another `k3jax.vision` preset replaces it (its
 projector width set to the text model's d_model). k3: tower 401.21M (spec §11: 401M),
 projector 46.14M (4096² + 4096·7168 + 7168 post-norm), 447.36M in all.
 """
@@ -26,10 +24,7 @@ import sys
 
 from absl import app, flags
 
-# Text preset → the vision preset of the tower its released model carries (until ModelConfig
-# carries a vision config of its own).
-VISION_PRESETS = {"k3": "moonvit_v2"}
-
+VISION_KEYS = ("vision_tower", "mm_projector")   # top-level params of the vision half
 COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_mlp", "routed_experts",
               "shared_experts", "router", "latent_projections", "attn_res", "norms")
 
@@ -62,7 +57,7 @@ def _component(keys: list[str]) -> str:
 
 def count_params(config) -> dict:
   """Counts for a ModelConfig: {"total", "activated", "mtp", "router_bias", "components":
-  {name: {"total", "activated"}}} (plain ints)."""
+  {name: {"total", "activated"}}} (plain ints), and "vision" when config.vision is set."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -78,6 +73,8 @@ def count_params(config) -> dict:
 
   def walk(tree, keys):
     nonlocal mtp
+    if keys and keys[0] in VISION_KEYS:
+      return
     if not isinstance(tree, dict):
       n = int(np.prod(tree.shape))
       if keys[0] == "mtp":
@@ -97,7 +94,7 @@ def count_params(config) -> dict:
   walk(shapes["params"], [])
   balance = {k: v for k, v in shapes.get("balance", {}).items() if k != "mtp"}
   bias = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(balance))
-  return {
+  out = {
       "preset": config.name,
       "total": sum(c["total"] for c in comps.values()),
       "activated": sum(c["activated"] for c in comps.values()),
@@ -105,40 +102,28 @@ def count_params(config) -> dict:
       "router_bias": bias,
       "components": comps,
   }
+  if config.vision is not None:
+    def n(tree):
+      return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    tower, projector = (n(shapes["params"][k]) for k in VISION_KEYS)
+    out["vision"] = {"preset": config.vision.name, "tower": tower, "projector": projector,
+                     "total": tower + projector}
+  return out
 
 
-def count_vision(vision_config) -> dict:
-  """Counts for a VisionConfig: {"preset", "tower", "projector", "total"} (plain ints), the
-  leaves under params/vision_tower and params/mm_projector of `init_vision`'s eval_shape."""
-  import jax
-  import numpy as np
-
-  from k3jax.vision.tower import init_vision
-
-  shapes = jax.eval_shape(lambda key: init_vision(vision_config, key), jax.random.key(0))
-  params = shapes["params"]
-  unknown = sorted(set(params) - {"vision_tower", "mm_projector"})
-  if unknown or set(shapes) != {"params"}:
-    raise ValueError(f"param_count: unclassified vision variables {unknown or sorted(shapes)}")
-
-  def n(tree):
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
-
-  tower, projector = n(params["vision_tower"]), n(params["mm_projector"])
-  return {"preset": vision_config.name, "tower": tower, "projector": projector,
-          "total": tower + projector}
-
-
-def vision_config_for(config, vision_preset: str | None = None):
-  """The VisionConfig counted beside `config`, or None: `vision_preset` None/"" → the
-  VISION_PRESETS mapping by config.name; "none" → None; else that vision preset, with its
-  projector output width set to config.d_model."""
+def with_vision(config, vision_preset: str = ""):
+  """`config` with the tower `--vision_preset` names: "" keeps config.vision; "none" drops it;
+  another name is that `k3jax.vision` preset, its projector width set to config.d_model (a
+  config without a placeholder id gets the byte tokenizer's <media>, 260)."""
   from k3jax.vision.config import vision_preset as make_vision
 
-  name = vision_preset or VISION_PRESETS.get(config.name)
-  if not name or name == "none":
-    return None
-  return make_vision(name, text_hidden_size=config.d_model)
+  if not vision_preset:
+    return config
+  if vision_preset == "none":
+    return config.replace(vision=None, media_placeholder_token_id=None)
+  pid = config.media_placeholder_token_id
+  return config.replace(vision=make_vision(vision_preset, text_hidden_size=config.d_model),
+                        media_placeholder_token_id=260 if pid is None else pid)
 
 
 def _subtree(tree, keys):
@@ -178,18 +163,14 @@ def define_flags() -> None:
   flags.DEFINE_string("preset", "k3", "name of a k3jax.config preset")
   flags.DEFINE_bool("json", False, "print JSON instead of a table")
   flags.DEFINE_string("vision_preset", "", "k3jax.vision preset counted as `vision` beside the "
-                      "text totals; default: VISION_PRESETS[preset] (k3 → moonvit_v2), 'none' "
+                      "text totals; default: the preset's own tower (k3: moonvit_v2), 'none' "
                       "to omit")
 
 
 def main(argv):
   del argv
   from k3jax.config import preset
-  config = preset(FLAGS.preset)
-  counts = count_params(config)
-  vision = vision_config_for(config, FLAGS.vision_preset)
-  if vision is not None:
-    counts["vision"] = count_vision(vision)
+  counts = count_params(with_vision(preset(FLAGS.preset), FLAGS.vision_preset))
   print(json.dumps(counts, indent=1) if FLAGS.json else format_table(counts))
 
 

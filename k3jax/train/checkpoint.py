@@ -60,6 +60,9 @@ def config_from_dict(d: dict) -> ModelConfig:
   d = dict(d)
   if "qb_range" in d:
     d["qb_range"] = tuple(d["qb_range"])
+  if "vision" in d:
+    from k3jax.vision.config import as_vision_config
+    d["vision"] = as_vision_config(d["vision"])
   return ModelConfig(**d)
 
 

@@ -1,7 +1,8 @@
 """Training data: byte tokenizer, corpora, packing into [B, T] and a checkpointable iterator.
 
 Tokenizer. Ids 0–255 are the bytes themselves; the special tokens follow (`PAD`=256,
-`BOS`=257, `EOS`=258, `SEP`=259, then reserved ids up to 256+16). `tiny` (272) and `small` (512)
+`BOS`=257, `EOS`=258, `SEP`=259, `MEDIA`=260 (the media placeholder), then reserved ids up
+to 256+16). `tiny` (272) and `small` (512)
 vocabularies both hold them; a model's extra ids are simply never produced.
 
 Corpora (`load_corpus`). `"stdlib"`: the running Python's standard library sources (every `*.py`
@@ -49,9 +50,9 @@ from typing import Iterable, Sequence
 import numpy as np
 
 NUM_BYTES = 256
-PAD, BOS, EOS, SEP = 256, 257, 258, 259
+PAD, BOS, EOS, SEP, MEDIA = 256, 257, 258, 259, 260
 NUM_SPECIAL = 16
-SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", SEP: "<sep>"}
+SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", SEP: "<sep>", MEDIA: "<media>"}
 
 
 # ---------------------------------------------------------------------- tokenizer

@@ -33,6 +33,7 @@ from k3jax.train import metrics as metrics_lib
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.sharded import Step, build_step
 from k3jax.train.step import TrainState, create_state
+from k3jax.vision.config import as_vision_config
 
 log = logging.getLogger("k3jax.train")
 
@@ -50,6 +51,8 @@ def model_config(cfg) -> ModelConfig:
   m["name"] = name
   if "qb_range" in m:
     m["qb_range"] = tuple(m["qb_range"])
+  if "vision" in m:  # a vision preset name or a dict of fields; the projector feeds d_model
+    m["vision"] = as_vision_config(m["vision"], text_hidden_size=m.get("d_model"))
   if cfg.balance.get("num_bins"):
     m["qb_num_bins"] = int(cfg.balance.num_bins)
   return ModelConfig(**m)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from k3jax.config import from_presets
+from k3jax.presets import from_presets
 
 
 # Padded stream lengths the packer chooses from (patches): `jit` compiles once per bucket.
@@ -162,6 +162,37 @@ def vision_preset(name: str, **overrides: Any) -> VisionConfig:
   return from_presets(VisionConfig, PRESETS, name, overrides, label="vision preset")
 
 
+def as_vision_config(value, *, text_hidden_size: int | None = None) -> VisionConfig | None:
+  """The vision tower a config file or checkpoint names, as a VisionConfig (or None).
+
+  value: None, "" or "none" → None; a preset name → that preset; a dict → the preset its
+  "preset" key names (default: the dataclass defaults) with the other keys as fields (lists
+  become tuples; the form `dataclasses.asdict` and JSON give back); a VisionConfig → itself.
+  `text_hidden_size`, when given, sets the projector's width unless the dict sets it.
+  Unknown names and fields raise ValueError naming them.
+  """
+  if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+    return None
+  if isinstance(value, VisionConfig):
+    return value
+  width = {} if text_hidden_size is None else {"text_hidden_size": text_hidden_size}
+  if isinstance(value, str):
+    return vision_preset(value, **width)
+  if hasattr(value, "to_dict"):  # ml_collections.ConfigDict
+    value = value.to_dict()
+  if not isinstance(value, dict):
+    raise ValueError(f"vision: expected None, a preset name, a dict or a VisionConfig, found "
+                     f"{type(value).__name__}")
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+  name = fields.pop("preset", None)
+  if name is None:
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(VisionConfig)})
+    if unknown:
+      raise ValueError(f"unknown VisionConfig field(s) {unknown}")
+    return VisionConfig(**{**width, **fields})
+  return vision_preset(name, **{**width, **fields})
+
+
 # ---------------------------------------------------------------------- config.json
 def vision_config_from_hf(vision_config: dict, *, text_hidden_size: int | None = None,
                           projector_norm_eps: float | None = None) -> VisionConfig:
@@ -234,5 +265,6 @@ def vision_config_to_hf(config: VisionConfig) -> dict:
   }
 
 
-__all__ = ["VisionConfig", "vision_preset", "vision_config_from_hf", "vision_config_to_hf",
+__all__ = ["VisionConfig", "vision_preset", "as_vision_config", "vision_config_from_hf",
+           "vision_config_to_hf",
            "PRESETS", "DEFAULT_BUCKETS"]
