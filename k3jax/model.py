@@ -59,10 +59,8 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attnres import attn_res_source_counts, blocks_before
-from k3jax.vision import ops as vision_ops
-from k3jax.vision.media import Media, check_placeholders, place_media
-from k3jax.vision.packing import META_FIELDS, pack
-from k3jax.vision.tower import Projector, VisionTower
+from k3jax.vision.media import Media, check_placeholders, dummy_media, place_media
+from k3jax.vision.tower import Projector, VisionTower, merge
 
 
 class DecoderLayer(nn.Module):
@@ -366,7 +364,7 @@ class K3Model(nn.Module):
       return x
     if media is None:
       if self.is_initializing():  # create the tower's params whatever the inputs are
-        self.encode_media(_dummy_media(cfg.vision))
+        self.encode_media(dummy_media(cfg.vision))
       return x
     check_placeholders(tokens, media, cfg.media_placeholder_token_id, where)
     return place_media(x, tokens, self.encode_media(media), media.num_merged,
@@ -379,10 +377,7 @@ class K3Model(nn.Module):
     if media.patches.ndim != 3 or media.patches.shape[-1] != cfg.patch_dim:
       raise ValueError(f"media.patches: expected [S, L, {cfg.patch_dim}], found "
                        f"{media.patches.shape}")
-    n = media.patches.shape[1] // 4
-    x = self.vision_tower(media.patches, media.meta)
-    merged = jax.vmap(lambda a, i, w: vision_ops.sd2_tpool_packed(a, i, w, n))(
-        x, media.meta["merge_index"], media.meta["merge_weight"])
+    merged = merge(self.vision_tower(media.patches, media.meta), media.meta)
     return self.mm_projector(merged).astype(jnp.float32)
 
   def _stack(self, x, segment_ids=None, cache=None, feed=None):
@@ -427,15 +422,6 @@ class K3Model(nn.Module):
     if self.config.tie_word_embeddings:
       return self.embed_tokens.attend(h.astype(dtype_of(self.config.dtype))).astype(jnp.float32)
     return self.lm_head(h).astype(jnp.float32)
-
-
-def _dummy_media(vision_config) -> Media:
-  """One 2×2 image in the smallest bucket: what `init` runs the vision tower on."""
-  length = vision_config.pack_buckets[0]
-  meta = pack(vision_config, [[1, 2, 2]], length=length).meta
-  return Media(patches=jnp.zeros((1, length, vision_config.patch_dim), jnp.float32),
-               meta={k: jnp.asarray(meta[k])[None] for k in META_FIELDS},
-               num_merged=jnp.ones((1,), jnp.int32))
 
 
 def layer_kinds(config: ModelConfig) -> dict:

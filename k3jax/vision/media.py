@@ -56,6 +56,16 @@ def media_from_pixels(vision_config, pixel_values, grid_thw, *, length: int | No
                num_merged=np.asarray([pk.num_merged], np.int32))
 
 
+def dummy_media(vision_config, length: int | None = None) -> Media:
+  """One 2×2 image of zeros in a stream of `length` patches (default: the smallest bucket):
+  what `init` runs the tower on (parameter shapes do not depend on it)."""
+  length = length or vision_config.pack_buckets[0]
+  meta = pack(vision_config, [[1, 2, 2]], length=length).meta
+  return Media(patches=jnp.zeros((1, length, vision_config.patch_dim), jnp.float32),
+               meta={k: jnp.asarray(meta[k])[None] for k in META_FIELDS},
+               num_merged=jnp.ones((1,), jnp.int32))
+
+
 def stack_media(streams: Sequence[Media]) -> Media:
   """Concatenate media along the stream axis (all of one bucket length)."""
   if not streams:
@@ -120,5 +130,5 @@ def place_media_reference(embeddings, tokens, features, num_merged, placeholder_
   return out
 
 
-__all__ = ["Media", "media_from_pixels", "stack_media", "check_placeholders", "place_media",
+__all__ = ["Media", "media_from_pixels", "dummy_media", "stack_media", "check_placeholders", "place_media",
            "place_media_reference"]

@@ -17,7 +17,6 @@ from typing import Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import dtype_of
@@ -26,7 +25,7 @@ from k3jax.layers.norms import rms_norm
 from k3jax.parallel import vision as parallel_vision
 from k3jax.vision import ops
 from k3jax.vision.config import VisionConfig
-from k3jax.vision.packing import META_FIELDS, pack
+from k3jax.vision.media import dummy_media, media_from_pixels
 
 STAGES = ("encoded", "merged", "projected")
 
@@ -208,26 +207,29 @@ class VisionModel(nn.Module):
     x = VisionTower(self.config, self.query_block, name="vision_tower")(patches, meta)
     if stage == "encoded":
       return x
-    n = patches.shape[1] // 4
-    merged = jax.vmap(lambda a, i, w: ops.sd2_tpool_packed(a, i, w, n))(
-        x, meta["merge_index"], meta["merge_weight"])
-    # Under a mesh: the merged tokens over `context` too (where it divides L/4), so that each
-    # shard projects its own share rather than all of them.
-    merged = parallel_vision.shard_stream(merged, strict=False)
+    merged = merge(x, meta)
     if stage == "merged":
       return merged
     return Projector(self.config, name="mm_projector")(merged)
+
+
+def merge(x, meta):
+  """The `sd2_tpool` merger over packed streams: x [B, L, hidden] (the tower's output) →
+  [B, L/4, 4, hidden] fp32 (rows past a stream's merged tokens are 0). Under a mesh the merged
+  tokens are split over `context` too (where it divides L/4), so that each shard projects its
+  own share rather than all of them."""
+  n = x.shape[1] // 4
+  merged = jax.vmap(lambda a, i, w: ops.sd2_tpool_packed(a, i, w, n))(
+      x, meta["merge_index"], meta["merge_weight"])
+  return parallel_vision.shard_stream(merged, strict=False)
 
 
 def init_vision(config: VisionConfig, key, *, length: int | None = None):
   """Fresh variables {'params': {'vision_tower', 'mm_projector'}} (logically partitioned
   boxes unwrapped), initialised on a dummy stream of `length` patches (default: the
   smallest bucket; parameter shapes do not depend on it)."""
-  length = length or config.pack_buckets[0]
-  meta = pack(config, [[1, 2, 2]], length=length).meta
-  meta = {k: jnp.asarray(v)[None] for k, v in meta.items()}
-  patches = jnp.zeros((1, length, config.patch_dim), jnp.float32)
-  return nn.unbox(VisionModel(config).init(key, patches, meta))
+  m = dummy_media(config, length)
+  return nn.unbox(VisionModel(config).init(key, m.patches, m.meta))
 
 
 def _run(config: VisionConfig, stage: str, query_block, variables, patches, meta):
@@ -262,18 +264,12 @@ def encode(vision_config: VisionConfig, variables, pixel_values, grid_thw, *,
   cfg = vision_config
   if stage not in STAGES:
     raise ValueError(f"stage: expected one of {STAGES}, found {stage!r}")
-  shape = tuple(np.shape(pixel_values))
-  want = (cfg.in_channels, cfg.patch_size, cfg.patch_size)
-  if len(shape) != 4 or shape[1:] != want:
-    raise ValueError(f"pixel_values: expected [L, {want[0]}, {want[1]}, {want[2]}], found "
-                     f"shape {shape}")
-  pk = pack(cfg, grid_thw, num_patches=shape[0])
-  patches = jnp.asarray(pixel_values).reshape(shape[0], cfg.patch_dim)
-  patches = jnp.pad(patches, ((0, pk.length - shape[0]), (0, 0)))[None]
-  meta = {k: jnp.asarray(pk.meta[k])[None] for k in META_FIELDS}
-  out = _run_jit(cfg, stage, query_block, variables, patches, meta)[0]
-  return out[:shape[0]] if stage == "encoded" else out[:pk.num_merged]
+  m = media_from_pixels(cfg, pixel_values, grid_thw)
+  out = _run_jit(cfg, stage, query_block, variables, m.patches, m.meta)[0]
+  if stage == "encoded":
+    return out[:int(np.prod(np.asarray(grid_thw), axis=1).sum())]
+  return out[:int(m.num_merged[0])]
 
 
 __all__ = ["VisionModel", "VisionTower", "Encoder", "EncoderBlock", "PatchEmbed", "PosEmb",
-           "VisionMLP", "Projector", "Norm", "init_vision", "encode", "STAGES"]
+           "VisionMLP", "Projector", "Norm", "merge", "init_vision", "encode", "STAGES"]
