@@ -108,6 +108,13 @@ class ModelConfig:
   scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
   remat: bool = False              # rematerialise each layer (scanned group) in the backward
   kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
+  # Routed expert weights' storage (docs/notes/moe.md, "Packed MXFP4 experts"):
+  #   "bf16"  unquantised, in `param_dtype` (trainable; the name follows the release's
+  #           vocabulary for "not MXFP4" — with param_dtype="float32" they are fp32 masters);
+  #   "mxfp4" the release's bytes: `experts/{w1,w3,w2}/weight_packed` uint8 (two E2M1 codes a
+  #           byte) + `weight_scale` uint8 (E8M0, one per 32 inputs), dequantised inside the
+  #           expert matmul; not trainable (the optimizer refuses them unless experts are frozen).
+  expert_format: Literal["bf16", "mxfp4"] = "bf16"
 
   def __post_init__(self):
     self.validate()
@@ -221,6 +228,14 @@ class ModelConfig:
       # safe with a bounded gate (§3); "auto" falls back to XLA for unbounded gates instead.
       bad("kernel_backend", "'pallas' needs a bounded KDA gate (kda_lower_bound); use 'xla' "
           "or 'auto' for Kimi Linear's unbounded decay")
+    if self.expert_format not in ("bf16", "mxfp4"):
+      bad("expert_format", f"expected 'bf16' or 'mxfp4', found {self.expert_format!r}")
+    if self.expert_format == "mxfp4" and self.num_experts and (
+        (self.latent_moe_dim or self.d_model) % 32 or self.moe_intermediate_size % 32):
+      # MXFP4 blocks run 32 values along each expert matrix's input axis (ℓ or d, and F).
+      bad("expert_format", f"'mxfp4' needs expert widths divisible by 32, found "
+          f"in={self.latent_moe_dim or self.d_model}, moe_intermediate_size="
+          f"{self.moe_intermediate_size}")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in ("float32", "bfloat16", "float16"):
         bad(f, f"expected 'float32', 'bfloat16' or 'float16', found {getattr(self, f)!r}")

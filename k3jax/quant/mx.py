@@ -190,4 +190,127 @@ def mx_round(w, fmt: str = "mxfp4"):
   raise ValueError(f"fmt: expected 'mxfp4' or 'mxfp8', found {fmt!r}")
 
 
-__all__ = ["BLOCK", "mxfp4_pack", "mxfp4_unpack", "mxfp8_pack", "mxfp8_unpack", "mx_round"]
+# ---------------------------------------------------------------------- packed expert params
+# The parameter form of `ModelConfig.expert_format="mxfp4"` (k3jax/layers/moe.py). Every routed
+# expert matrix of a MoE layer's `experts` module is two uint8 leaves, each expert's slice being
+# byte for byte the release's `experts.E.<w>.weight_packed` / `.weight_scale` tensor (PyTorch
+# [out, in] orientation, MX blocks along the input axis), stacked along a leading expert axis:
+#
+#   <moe>/experts/w1/weight_packed  uint8 [E, F, D/2]    <moe>/experts/w1/weight_scale  uint8 [E, F, D/32]
+#   <moe>/experts/w3/weight_packed  uint8 [E, F, D/2]    <moe>/experts/w3/weight_scale  uint8 [E, F, D/32]
+#   <moe>/experts/w2/weight_packed  uint8 [E, D, F/2]    <moe>/experts/w2/weight_scale  uint8 [E, D, F/32]
+#
+# (D = latent_moe_dim ℓ, or d_model for a classic MoE; F = moe_intermediate_size; a scanned
+# layer group adds its leading [num_groups] axis to every leaf.) The "bf16" form of the same
+# module is `<moe>/experts/w1` [E, D, F], `w3` [E, D, F], `w2` [E, F, D] in param_dtype, so
+# `unpack_expert(*pack_expert(w))` is the [in, out] kernel again. Only the stacking is new: a
+# converter keeps MXFP4 packed by `stack_release_experts` over experts 0 … E−1 of a layer.
+PACKED = "weight_packed"
+SCALE = "weight_scale"
+EXPERT_MATRICES = ("w1", "w3", "w2")
+
+
+def pack_expert(w):
+  """An expert kernel w [..., in, out] (float, ours) → (weight_packed uint8 [..., out, in/2],
+  weight_scale uint8 [..., out, in/32]): the release's bytes, by the exporter's quantiser
+  (`mxfp4_pack` of the [out, in] transpose, exactly what k3jax/convert writes)."""
+  xp = _xp(w)
+  if w.ndim < 2:
+    raise ValueError(f"w: expected an expert kernel [..., in, out], found shape {tuple(w.shape)}")
+  return mxfp4_pack(xp.swapaxes(w, -1, -2))
+
+
+def unpack_expert(packed, scale, dtype=np.float32):
+  """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) → kernel [..., in, out]
+  of `dtype` (the inverse orientation of `pack_expert`; values as `mxfp4_unpack` decodes)."""
+  xp = _xp(packed)
+  return xp.swapaxes(mxfp4_unpack(packed, scale, dtype), -1, -2)
+
+
+def packed_expert_shapes(num_experts: int, in_dim: int, out_dim: int):
+  """((weight_packed shape), (weight_scale shape)) of one expert matrix with an [in, out]
+  kernel: ([E, out, in/2], [E, out, in/32]). `in_dim` must be a multiple of 32."""
+  if in_dim % BLOCK:
+    raise ValueError(f"in_dim: MXFP4 needs an input width divisible by {BLOCK}, found {in_dim}")
+  return (num_experts, out_dim, in_dim // 2), (num_experts, out_dim, in_dim // BLOCK)
+
+
+def stack_release_experts(packed, scales):
+  """One matrix's per-expert release tensors → the stacked parameter leaves.
+
+  packed: sequence of E uint8 [out, in/2] (`experts.e.<w>.weight_packed`, e = 0 … E−1);
+  scales: sequence of E uint8 [out, in/32] (`.weight_scale`). Returns (uint8 [E, out, in/2],
+  uint8 [E, out, in/32]) numpy arrays, the bytes unchanged. Shapes and dtypes are checked
+  (a ValueError names the expert and the expected vs. found shape/dtype).
+  """
+  if len(packed) != len(scales) or not len(packed):
+    raise ValueError(f"packed/scales: expected the same positive number of experts, found "
+                     f"{len(packed)} and {len(scales)}")
+  p0 = np.asarray(packed[0])
+  if p0.ndim != 2:
+    raise ValueError(f"packed[0]: expected [out, in/2], found shape {p0.shape}")
+  want_p, want_s = p0.shape, (p0.shape[0], p0.shape[1] * 2 // BLOCK)
+  for e, (p, s) in enumerate(zip(packed, scales)):
+    for what, a, want in (("packed", p, want_p), ("scales", s, want_s)):
+      a = np.asarray(a)
+      if a.dtype != np.uint8 or a.shape != want:
+        raise ValueError(f"{what}[{e}]: expected uint8 {want}, found {a.dtype} {a.shape}")
+  return np.stack([np.asarray(p) for p in packed]), np.stack([np.asarray(s) for s in scales])
+
+
+def split_release_experts(packed, scale):
+  """Inverse of `stack_release_experts`: ([E, out, in/2], [E, out, in/32]) → two lists of E
+  numpy arrays (views), expert e's being the release's `experts.e.<w>.weight_packed/_scale`."""
+  packed, scale = np.asarray(packed), np.asarray(scale)
+  return list(packed), list(scale)
+
+
+def _map_experts(tree, fn):
+  """Apply fn(name, value) → new value to every w1/w3/w2 entry of every `experts` dict."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, v in tree.items():
+    if key == "experts" and isinstance(v, dict) and set(EXPERT_MATRICES) <= set(v):
+      out[key] = {n: (fn(n, x) if n in EXPERT_MATRICES else x) for n, x in v.items()}
+    else:
+      out[key] = _map_experts(v, fn)
+  return out
+
+
+def _unboxed(tree):
+  """Plain arrays for a tree that may hold flax LogicallyPartitioned boxes (model.init)."""
+  try:
+    from flax.core import meta
+  except ImportError:   # numpy-only users (the converter) never pass boxes
+    return tree
+  return meta.unbox(tree)
+
+
+def pack_expert_params(params):
+  """A param tree with "bf16"-form experts (float w1/w3/w2) → the "mxfp4" form (module section
+  above), quantised by `pack_expert` (the exporter's quantiser). Other leaves are untouched;
+  flax boxes are unboxed. numpy leaves give numpy, jax leaves jax (jit-able)."""
+  def fn(name, w):
+    if isinstance(w, dict):
+      raise ValueError(f"experts/{name}: already packed (found {sorted(w)})")
+    p, s = pack_expert(w)
+    return {PACKED: p, SCALE: s}
+  return _map_experts(_unboxed(params), fn)
+
+
+def unpack_expert_params(params, dtype=np.float32):
+  """The "mxfp4" param form → the "bf16" form with kernels of `dtype`: the dequantised tree a
+  `expert_format="bf16"` model runs to reproduce the packed model exactly."""
+  def fn(name, w):
+    if not (isinstance(w, dict) and set(w) == {PACKED, SCALE}):
+      raise ValueError(f"experts/{name}: expected {{{PACKED!r}, {SCALE!r}}}, found "
+                       f"{type(w).__name__}")
+    return unpack_expert(w[PACKED], w[SCALE], dtype)
+  return _map_experts(_unboxed(params), fn)
+
+
+__all__ = ["BLOCK", "mxfp4_pack", "mxfp4_unpack", "mxfp8_pack", "mxfp8_unpack", "mx_round",
+           "PACKED", "SCALE", "EXPERT_MATRICES", "pack_expert", "unpack_expert",
+           "packed_expert_shapes", "stack_release_experts", "split_release_experts",
+           "pack_expert_params", "unpack_expert_params"]
