@@ -11,7 +11,8 @@ Per-Head Muon (`scale_by_per_head_muon`): Nesterov momentum (0.95), then Newton�
 orthogonalisation of each *block* separately, then scale 0.2·√max(fan_in, fan_out) of the block
 (so the update RMS matches AdamW's and one learning rate serves both). Blocks (`muon_blocks`):
   [in, H, hd]  q/k/v/g projections, f_b, g_b, q_b_proj, kv_b_proj: one [in, hd] matrix per head
-  [H, hd, out] o_proj: one [hd, out] matrix per head
+  [H, hd, out] o_proj, the vision tower's wo: one [hd, out] matrix per head
+  [in, 3, H, hd] the vision tower's fused wqkv: one [in, hd] matrix per (q|k|v, head)
   [E, in, out] experts/w1,w2,w3: one matrix per expert
   [in, out]    any other kernel: the whole matrix
 and a scanned parameter (`body/...`) adds its leading [num_groups] axis to the blocks, so every
@@ -61,6 +62,11 @@ def param_label(path: str, shape) -> str:
   return "muon"
 
 
+def _is_vision_wo(parts) -> bool:
+  # The vision tower's attention output [H, hd, out] (MoonViT's name for o_proj).
+  return "wo" in parts and "vision_tower" in parts
+
+
 def muon_blocks(path: str, shape) -> tuple[tuple[int, ...], int, int]:
   """(batch axes, fan-in axis, fan-out axis) of a Muon parameter (see module doc)."""
   s = 1 if _is_scanned(path) else 0
@@ -70,11 +76,15 @@ def muon_blocks(path: str, shape) -> tuple[tuple[int, ...], int, int]:
   if nd == 2:
     return lead, s, s + 1
   if nd == 3:
-    if "experts" in parts or "o_proj" in parts:   # [E, in, out] / [H, hd, out]
+    if "experts" in parts or "o_proj" in parts or _is_vision_wo(parts):  # [E|H, in|hd, out]
       return lead + (s,), s + 1, s + 2
     return lead + (s + 1,), s, s + 2               # [in, H, hd]
-  raise ValueError(f"Muon parameter {path}: expected 2-D or 3-D (plus a scanned layer axis), "
-                   f"found shape {tuple(shape)}")
+  if nd == 4 and "wqkv" in parts:
+    # The vision tower's fused [in, 3, H, hd]: q, k and v of each head are separate
+    # projections, orthogonalised one by one like the decoder's q/k/v heads.
+    return lead + (s + 1, s + 2), s, s + 3
+  raise ValueError(f"Muon parameter {path}: expected 2-D, 3-D or a 4-D wqkv (plus a scanned "
+                   f"layer axis), found shape {tuple(shape)}")
 
 
 def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:

@@ -221,3 +221,33 @@ def test_qk_clip_scanned_layers_each_own_gamma():
   np.testing.assert_allclose(oq[:, 0, :, -1], gam, rtol=1e-6)
   np.testing.assert_allclose(okv[:, 0, :, 0], np.sqrt(gam), rtol=1e-6)
   np.testing.assert_allclose(okv[:, 0, :, -1], 1.0)
+
+
+def test_vision_tower_wqkv_and_wo_are_orthogonalised_per_head():
+  """MoonViT's fused wqkv [in, 3, H, hd] is one [in, hd] block per (q|k|v, head) and wo
+  [H, hd, out] one [hd, out] block per head, like the decoder's attention projections; the
+  whole multimodal tree gets an update (no 4-D kernel is refused)."""
+  path = "params/vision_tower/encoder/blocks_0/wqkv/kernel"
+  g = jax.random.normal(jax.random.PRNGKey(5), (32, 3, 2, 16))
+  assert optim.muon_blocks(path, g.shape) == ((1, 2), 0, 3)
+  out = optim.orthogonalize_blocks(g, path)
+  for j in range(3):
+    for h in range(2):
+      np.testing.assert_allclose(out[:, j, h], optim.newton_schulz(g[:, j, h]) * 0.2 * 32 ** 0.5,
+                                 atol=1e-5)
+  # Scaling one head's key block leaves every other block's update unchanged.
+  out2 = optim.orthogonalize_blocks(g.at[:, 1, 0].multiply(5.0).at[:, 1, 0, 0].add(1.0), path)
+  np.testing.assert_array_equal(np.asarray(out2[:, 0]), np.asarray(out[:, 0]))
+  np.testing.assert_array_equal(np.asarray(out2[:, 1, 1]), np.asarray(out[:, 1, 1]))
+  assert not np.allclose(out2[:, 1, 0], out[:, 1, 0])
+  wo = "params/vision_tower/encoder/blocks_0/wo/kernel"
+  assert optim.muon_blocks(wo, (2, 16, 32)) == ((0,), 1, 2)
+  assert optim.param_label(path, g.shape) == "muon"
+  assert optim.param_label("params/vision_tower/patch_embed/pos_emb/weight", (8, 8, 32)) == "adam"
+
+  from k3jax.train.step import init_variables
+  v = init_variables(preset("tiny_multimodal"), jax.random.PRNGKey(0))
+  tx = optim.make_optimizer(1e-2)
+  upd, _ = tx.update({"params": v["params"], "balance": v["balance"]}, tx.init(v), v)
+  u = upd["params"]["vision_tower"]["encoder"]["blocks_1"]["wqkv"]["kernel"]
+  assert u.shape == (32, 3, 2, 16) and float(jnp.abs(u).max()) > 0
