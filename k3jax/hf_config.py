@@ -115,6 +115,9 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
   arch = detect_arch(d)
   tc = text_config(d)
   lac = tc.get("linear_attn_config") or {}
+  if check_quantization_config(d) and arch != "kimi_k3":
+    _bad("quantization_config", "absent (Kimi Linear stores its experts unquantised)",
+         d.get("quantization_config"))
 
   def req(key, *aliases):
     v = _first(tc, key, *aliases)
@@ -238,6 +241,106 @@ def _vision_fields(d: dict, d_model: int) -> dict:
       media_placeholder_token_id=pid)
 
 
+# ---------------------------------------------------------------------- quantization_config
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+MXFP4_GROUP_SIZE = 32
+# Module names (multimodal spelling, no ".weight") that the release's `ignore` list must cover
+# (§12: only routed experts are MXFP4), and one it must not.
+_MUST_IGNORE = {
+    "self_attn": "language_model.model.layers.0.self_attn.q_proj",
+    "shared_experts": "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_proj",
+    "lm_head": "language_model.lm_head",
+    "vision_tower": "vision_tower.encoder.blocks.0.wqkv",
+}
+_MUST_QUANTIZE = "language_model.model.layers.1.block_sparse_moe.experts.0.w1"
+
+
+def release_quantization_config() -> dict:
+  """The `quantization_config` export writes with MXFP4 routed experts (compressed-tensors
+  style, §12): format mxfp4-pack-quantized, weight groups of 32 along the input axis, no input
+  activation quantisation, everything but the routed experts ignored."""
+  return {
+      "quant_method": "compressed-tensors",
+      "format": MXFP4_FORMAT,
+      "quantization_status": "compressed",
+      "config_groups": {"group_0": {
+          "targets": ["Linear"], "format": MXFP4_FORMAT,
+          "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                      "group_size": MXFP4_GROUP_SIZE, "symmetric": True, "dynamic": False},
+          "input_activations": None, "output_activations": None}},
+      "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                 r"re:.*\.mlp\.(gate|up|down)_proj$", r"re:.*block_sparse_moe\.gate$",
+                 r"re:.*routed_expert_(down|up)_proj$", "re:.*vision_tower.*",
+                 "re:.*mm_projector.*"],
+  }
+
+
+def _ignore_matches(entry: str, module: str) -> bool:
+  """compressed-tensors' rule: 're:PATTERN' matches by regex from the start, a plain entry is a
+  module name (here also matched as a dotted suffix, so 'lm_head' covers
+  'language_model.lm_head')."""
+  import re
+  if entry.startswith("re:"):
+    return re.match(entry[3:], module) is not None
+  return module == entry or module.endswith("." + entry)
+
+
+def check_quantization_config(d: dict) -> str | None:
+  """Validate the `quantization_config` of a config dict (top level, or inside text_config).
+
+  Returns "mxfp4" when it describes the release's MXFP4 routed experts, None when there is
+  none; anything else is a ValueError naming the key (format, group size, input activation
+  quantisation, an ignore list that leaves a non-expert layer quantised or covers the experts).
+  """
+  qc = d.get("quantization_config")
+  where = "quantization_config"
+  if qc is None and isinstance(d.get("text_config"), dict):
+    qc, where = d["text_config"].get("quantization_config"), "text_config.quantization_config"
+  if qc is None:
+    return None
+  if not isinstance(qc, dict):
+    _bad(where, "an object", qc)
+  groups = qc.get("config_groups") or {}
+  if not isinstance(groups, dict):
+    _bad(f"{where}.config_groups", "an object", groups)
+  formats = [(f"{where}.format", qc["format"])] if "format" in qc else []
+  formats += [(f"{where}.config_groups.{g}.format", v["format"])
+              for g, v in groups.items() if isinstance(v, dict) and "format" in v]
+  if not formats:
+    _bad(f"{where}.format", repr(MXFP4_FORMAT), None)
+  for key, f in formats:
+    if f != MXFP4_FORMAT:
+      _bad(key, repr(MXFP4_FORMAT), f)
+  sizes = [(f"{where}.config_groups.{g}.weights.group_size", (v.get("weights") or {}).get(
+      "group_size")) for g, v in groups.items() if isinstance(v, dict)]
+  sizes += [(f"{where}.{k}", qc[k]) for k in ("group_size", "weight_group_size") if k in qc]
+  sizes = [(k, v) for k, v in sizes if v is not None]
+  if not sizes:
+    _bad(f"{where}.config_groups.*.weights.group_size", str(MXFP4_GROUP_SIZE), None)
+  for key, v in sizes:
+    if v != MXFP4_GROUP_SIZE:
+      _bad(key, f"{MXFP4_GROUP_SIZE} (MXFP4 blocks share one scale per 32 values)", v)
+  for g, v in groups.items():
+    if isinstance(v, dict) and v.get("input_activations") is not None:
+      _bad(f"{where}.config_groups.{g}.input_activations",
+           "null (the file stores no activation quantisation)", v["input_activations"])
+  ignore = qc.get("ignore")
+  if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+    _bad(f"{where}.ignore", "a list of module names / 're:' patterns", ignore)
+
+  def covered(module: str) -> bool:
+    bare = module.removeprefix("language_model.")
+    return any(_ignore_matches(e, m) for e in ignore for m in (module, bare))
+
+  uncovered = [part for part, module in _MUST_IGNORE.items() if not covered(module)]
+  if uncovered:
+    _bad(f"{where}.ignore", f"entries covering {uncovered} (only routed experts are MXFP4)",
+         ignore)
+  if covered(_MUST_QUANTIZE):
+    _bad(f"{where}.ignore", f"no entry covering the routed experts ({_MUST_QUANTIZE})", ignore)
+  return "mxfp4"
+
+
 def ignored_keys(d: dict) -> dict[str, str]:
   """{key: why} for keys of a config dict that `from_hf_config` accepts and does not use although
   their value asks for something our model does not do. Empty for the configs `to_hf_config`
@@ -266,11 +369,13 @@ def is_k3_style(c: ModelConfig) -> bool:
           or c.activation == "situ" or c.vision is not None)
 
 
-def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
+def to_hf_config(c: ModelConfig, arch: str | None = None,
+                 expert_format: str | None = None) -> dict:
   """config.json dict for `c`: Kimi Linear (flat) or Kimi K3 (text_config nested).
 
   `arch` None picks 'kimi_k3' when `c` uses any K3-only feature. Kimi Linear cannot express
-  K3 features: asking for it then is a ValueError naming the field.
+  K3 features: asking for it then is a ValueError naming the field. expert_format "mxfp4"
+  (K3 only) adds the release's top-level `quantization_config`.
   """
   arch = arch or ("kimi_k3" if is_k3_style(c) else "kimi_linear")
   if arch not in ("kimi_linear", "kimi_k3"):
@@ -318,6 +423,9 @@ def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
       torch_dtype="float32" if c.param_dtype == "float32" else c.param_dtype,
   )
   if arch == "kimi_linear":
+    if expert_format == "mxfp4":
+      raise ValueError("expert_format 'mxfp4': Kimi Linear's config.json has no "
+                       "quantization_config form (its experts are unquantised)")
     return tc
   lac.update(use_full_rank_gate=c.full_rank_gates)
   if c.kda_lower_bound is not None:
@@ -335,8 +443,11 @@ def to_hf_config(c: ModelConfig, arch: str | None = None) -> dict:
   if c.vision is not None:
     out.update(vision_config=vision_config_to_hf(c.vision),
                media_placeholder_token_id=c.media_placeholder_token_id)
+  if expert_format == "mxfp4":
+    out["quantization_config"] = release_quantization_config()
   return out
 
 
 __all__ = ["from_hf_config", "to_hf_config", "ignored_keys", "detect_arch", "text_config",
-           "is_k3_style"]
+           "is_k3_style", "check_quantization_config", "release_quantization_config",
+           "MXFP4_FORMAT", "MXFP4_GROUP_SIZE"]

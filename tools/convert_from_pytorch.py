@@ -2,7 +2,8 @@
 
   python -m tools.convert_from_pytorch --src HF_DIR --dst OUT_DIR \
       [--arch auto|kimi_linear|kimi_k3|kimi_k25] [--only all|vision] [--dtype float32|bfloat16] \
-      [--allow_torch_pickle]
+      [--allow_torch_pickle] [--skip_prefix PREFIX ...] [--check_only] [--mtp_seed 0] \
+      [--expert_format bf16|mxfp4]
 
 HF_DIR holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json. OUT_DIR must not exist; it appears only when the conversion is
@@ -13,6 +14,17 @@ plus the vision tower when config.json has a vision_config.
 names, MoonViT-V2) or `--arch kimi_k25` (Kimi K2.5/K2.6: the original release or
 `transformers`' spellings); OUT_DIR then loads with `k3jax.vision.load_vision(OUT_DIR)` →
 (vision_config, variables).
+
+Text tensors may be spelled `language_model.model.*` (the release) or bare `model.*`. A tensor
+the config does not use is an error naming it; --skip_prefix (repeatable or comma-separated)
+names prefixes to leave out (`--skip_prefix vision_tower.,mm_projector.` converts the text
+model of a multimodal release alone). The release has no MTP tensors: a config with an MTP
+layer gets one initialised as K3Model.init does (--mtp_seed), reported here and in
+OUT_DIR/conversion.json; an export written with --mtp carries it under `k3jax_mtp.*`.
+
+--check_only reads config.json, the index and every shard's header (no tensor data) and
+reports every missing, unexpected, mis-shaped and mis-typed tensor (exit status 1), or a
+one-line summary; --dst is not needed.
 """
 
 from __future__ import annotations
@@ -32,16 +44,41 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
 flags.DEFINE_bool("allow_torch_pickle", False,
                   "read *.bin/*.pt with torch.load(weights_only=True) when no safetensors exist")
 flags.DEFINE_bool("progress", True, "show a progress bar")
-flags.mark_flags_as_required(["src", "dst"])
+flags.DEFINE_list("skip_prefix", [], "leave out source tensors whose names start with these "
+                  "prefixes (anything else the config does not use is an error)")
+flags.DEFINE_bool("check_only", False, "check names, shapes and dtypes from the headers "
+                  "against config.json; write nothing")
+flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
+                  "routed experts of the result: bf16 (MXFP4 decoded to --dtype) or mxfp4 "
+                  "(the release's bytes kept packed: ModelConfig.expert_format='mxfp4')")
+flags.DEFINE_integer("mtp_seed", 0, "seed of the fresh MTP layer when the source has none")
+flags.mark_flags_as_required(["src"])
 
 
 def main(argv):
   del argv
+  import sys
+  import time
+
   from k3jax.convert import convert
-  out = convert(FLAGS.src, FLAGS.dst, arch=FLAGS.arch, dtype=FLAGS.dtype,
-                allow_torch_pickle=FLAGS.allow_torch_pickle, progress=FLAGS.progress,
-                only=FLAGS.only)
-  print(f"wrote {out}")
+  if FLAGS.dst is None and not FLAGS.check_only:
+    raise app.UsageError("--dst is required (unless --check_only)")
+  t0 = time.perf_counter()
+  try:
+    out = convert(FLAGS.src, FLAGS.dst, arch=FLAGS.arch, dtype=FLAGS.dtype,
+                  allow_torch_pickle=FLAGS.allow_torch_pickle, progress=FLAGS.progress,
+                  only=FLAGS.only, skip_prefix=FLAGS.skip_prefix, check_only=FLAGS.check_only,
+                  mtp_seed=FLAGS.mtp_seed,
+                  **({"expert_format": "mxfp4"} if FLAGS.expert_format == "mxfp4" else {}))
+  except ValueError as e:
+    if not FLAGS.check_only:
+      raise
+    print(f"check failed ({time.perf_counter() - t0:.1f} s):\n{e}", file=sys.stderr)
+    sys.exit(1)
+  if FLAGS.check_only:
+    print(f"check passed in {time.perf_counter() - t0:.1f} s")
+  else:
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

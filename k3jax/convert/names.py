@@ -12,6 +12,9 @@ Kinds (PyTorch → ours, for one slice):
   a_log_pad  K3's A_log [P ≥ H] (first H real, zero padding) → [H]
   patch_conv the vision tower's patch conv [D, C, P, P] → [C·P·P, D]
   +mx        MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] decoded first
+  u8         bytes kept as they are: with ModelConfig.expert_format="mxfp4" each MXFP4 expert
+             leaf becomes `…/experts/<w>/weight_packed` + `weight_scale` (k3jax/quant/mx.py),
+             one release tensor per expert slot, never decoded
 
 With `config.vision` set, the vision tower and projector (spec §11, `k3jax.vision.names`) are
 leaves too: top-level `params/vision_tower/…` and `params/mm_projector/…`, released names
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import numpy as np
 
@@ -33,12 +37,17 @@ from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig
 from k3jax.quant import mx
 
 A_LOG_PAD = 128   # K3 stores A_log with 128 entries (96 real heads + 32 zeros)
-PREFIXES = {"kimi_linear": ("model.", "lm_head.weight"),
-            "kimi_k3": ("language_model.model.", "language_model.lm_head.weight")}
-# Non-text parts of a K3 checkpoint (MoonViT, projector): skipped and reported when the config
-# has no vision tower (with one they are leaves, see `vision_leaves`).
-SKIPPED_PREFIXES = {"kimi_linear": (), "kimi_k3": ("vision_tower.", "mm_projector.",
-                                                   "multi_modal_projector.")}
+ARCHS = ("kimi_linear", "kimi_k3")
+# Text tensors are `{prefix}model.*` + `{prefix}lm_head.weight` with one of these prefixes
+# (§12): the release's multimodal spelling, or the bare text-only one (what a text-only
+# exporter writes and serving engines' KimiLinear loaders read).
+MULTIMODAL_PREFIX = "language_model."
+TEXT_PREFIXES = (MULTIMODAL_PREFIX, "")
+# The release holds no MTP tensors (§12). A k3jax MTP layer is written only on request, under
+# this k3jax-specific prefix (outside every released name, so no loader mistakes it for one):
+# k3jax_mtp.{enorm,hnorm,norm}.weight, k3jax_mtp.eh_proj.weight, k3jax_mtp.layer.<MLA+MoE
+# layer names as in model.layers.N.>.
+MTP_PREFIX = "k3jax_mtp."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +64,7 @@ class Leaf:
   collection: str                 # "params" | "balance"
   path: tuple[str, ...]           # Flax path inside the collection
   shape: tuple[int, ...]          # full shape
-  kind: str                       # linear | copy | conv | a_log_pad
+  kind: str                       # linear | copy | conv | a_log_pad | patch_conv | u8
   mx: bool                        # slots are MXFP4 (packed, scale) pairs
   fp32: bool                      # always stored float32 (vectors, router, decay params)
   slots: tuple[Slot, ...]
@@ -186,16 +195,51 @@ def _slots_for(suffix, torch_shape, per_expert, index, prefix, num_experts, expe
   return out
 
 
-def leaves(c: ModelConfig, arch: str, expert_format: str | None = None) -> list[Leaf]:
-  """Every variable leaf of a K3Model with `c`, and the PyTorch tensors that fill it."""
-  if arch not in PREFIXES:
-    raise ValueError(f"arch: expected one of {sorted(PREFIXES)}, found {arch!r}")
+def default_text_prefix(c: ModelConfig) -> str:
+  """The spelling an exporter writes (§12): `language_model.` with a vision tower, bare
+  otherwise."""
+  return MULTIMODAL_PREFIX if c.vision is not None else ""
+
+
+def detect_text_prefix(names) -> str:
+  """The text prefix a checkpoint's tensor names use: 'language_model.' or '' (bare).
+
+  ValueError when both spellings are present (two copies of the text model, or a mix that no
+  exporter writes) or neither is.
+  """
+  multi = bare = None
+  for n in names:
+    if multi is None and n.startswith(("language_model.model.", "language_model.lm_head.")):
+      multi = n
+    elif bare is None and n.startswith(("model.", "lm_head.")):
+      bare = n
+    if multi and bare:
+      raise ValueError(f"the checkpoint spells its text tensors both ways: {multi!r} "
+                       f"(language_model.model.*) and {bare!r} (bare model.*); expected one")
+  if multi is None and bare is None:
+    raise ValueError("the checkpoint has no text tensors: no name starts with "
+                     "'language_model.model.' or 'model.'")
+  return MULTIMODAL_PREFIX if multi else ""
+
+
+def leaves(c: ModelConfig, arch: str, expert_format: str | None = None,
+           text_prefix: str | None = None, mtp: bool = True) -> list[Leaf]:
+  """Every variable leaf of a K3Model with `c`, and the PyTorch tensors that fill it.
+
+  text_prefix: 'language_model.' or '' (None: `default_text_prefix(c)`). mtp: include the MTP
+  layer's leaves (names under MTP_PREFIX) when the config has one; the release has none.
+  """
+  if arch not in ARCHS:
+    raise ValueError(f"arch: expected one of {list(ARCHS)}, found {arch!r}")
   expert_format = expert_format or ("mxfp4" if arch == "kimi_k3" else "bf16")
   if expert_format not in ("mxfp4", "bf16"):
     raise ValueError(f"expert_format: expected 'mxfp4' or 'bf16', found {expert_format!r}")
   if arch == "kimi_linear" and expert_format == "mxfp4":
     raise ValueError("expert_format: Kimi Linear checkpoints store experts unquantised ('bf16')")
-  model_prefix, head_name = PREFIXES[arch]
+  text_prefix = default_text_prefix(c) if text_prefix is None else text_prefix
+  if text_prefix not in TEXT_PREFIXES:
+    raise ValueError(f"text_prefix: expected one of {list(TEXT_PREFIXES)}, found {text_prefix!r}")
+  model_prefix, head_name = f"{text_prefix}model.", f"{text_prefix}lm_head.weight"
   types = c.layer_types()
   attn_res = c.attn_res_block_size is not None
   pre, groups, suf = c.stack_layout()
@@ -242,19 +286,37 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None) -> list[
   single(("norm", "weight"), (d,), "copy", True, model_prefix + "norm.weight", (d,))
   if not c.tie_word_embeddings:
     single(("lm_head", "kernel"), (d, v), "linear", False, head_name, (v, d))
-  if c.num_mtp_layers:
-    # DeepSeek-V3 convention (unverified for K3): the MTP block is layer index num_layers.
-    n = c.num_layers
-    p = f"{model_prefix}layers.{n}."
+  if c.num_mtp_layers and mtp:
+    p = MTP_PREFIX
     for name in ("enorm", "hnorm"):
       single(("mtp", name, "weight"), (d,), "copy", True, p + f"{name}.weight", (d,))
     single(("mtp", "eh_proj", "kernel"), (2 * d, d), "linear", False, p + "eh_proj.weight",
            (d, 2 * d))
-    add_layer(n, ("mtp", "layer"), _layer_items(c, MLA, MOE, False, expert_format), prefix=p)
-    single(("mtp", "norm", "weight"), (d,), "copy", True, p + "shared_head.norm.weight", (d,))
+    add_layer(c.num_layers, ("mtp", "layer"), _layer_items(c, MLA, MOE, False, expert_format),
+              prefix=p + "layer.")
+    single(("mtp", "norm", "weight"), (d,), "copy", True, p + "norm.weight", (d,))
   if c.vision is not None:
     out += vision_leaves(c.vision)
+  if getattr(c, "expert_format", "bf16") == "mxfp4":
+    if expert_format != "mxfp4":
+      raise ValueError(f"expert_format: a model with packed MXFP4 experts "
+                       f"(ModelConfig.expert_format='mxfp4') maps to MXFP4 checkpoint tensors, "
+                       f"not {expert_format!r}")
+    out = [part for leaf in out for part in (_split_packed(leaf) if leaf.mx else (leaf,))]
   return out
+
+
+def _split_packed(leaf: Leaf) -> tuple[Leaf, Leaf]:
+  """An MXFP4 expert leaf (slots = (weight_packed, weight_scale) pairs, decoded on import) →
+  the two uint8 leaves of ModelConfig.expert_format="mxfp4" (k3jax/quant/mx.py):
+  `<experts>/<w>/weight_packed` [..., E, out, in/2] and `weight_scale` [..., E, out, in/32],
+  each slot one release tensor copied byte for byte (kind "u8")."""
+  parts = []
+  for k, suffix in enumerate((mx.PACKED, mx.SCALE)):
+    slots = tuple(Slot(s.index, (s.names[k],), (s.shapes[k],), ("uint8",)) for s in leaf.slots)
+    parts.append(Leaf(leaf.collection, leaf.path + (suffix,),
+                      leaf.shape[:leaf.lead] + slots[0].shapes[0], "u8", False, False, slots))
+  return tuple(parts)
 
 
 def vision_leaves(vc) -> list[Leaf]:
@@ -315,12 +377,41 @@ def model_paths(c: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
   return out
 
 
+def is_mtp(leaf: Leaf) -> bool:
+  return leaf.collection in ("params", "balance") and leaf.path[:1] == ("mtp",)
+
+
+def _natural_key(name: str):
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def export_dtype(leaf: Leaf, kind: str, store) -> np.dtype:
+  """The dtype export writes for one tensor of `leaf`: uint8 for MXFP4 pairs, float32 for the
+  leaves kept in fp32 (vectors, norms, router, decay parameters), `store` for the rest."""
+  if kind == "uint8":
+    return np.dtype(np.uint8)
+  return np.dtype(np.float32) if leaf.fp32 else np.dtype(store)
+
+
+def tensor_plan(leaves_: list[Leaf], store) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+  """[(name, dtype, shape)] of every tensor export writes for `leaves_`, in natural name
+  order (layers.2 before layers.10), matmul weights in `store`. Nothing is allocated."""
+  plan = [(name, export_dtype(leaf, kind, store), tuple(shape))
+          for leaf in leaves_ for slot in leaf.slots
+          for name, shape, kind in zip(slot.names, slot.shapes, slot.dtypes)]
+  plan.sort(key=lambda e: _natural_key(e[0]))
+  return plan
+
+
 # ---------------------------------------------------------------------- slice transforms
-def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32) -> np.ndarray:
+def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32,
+            names: tuple[str, ...] = ()) -> np.ndarray:
   """One slot's PyTorch array(s) → slice of shape leaf.slice_shape in `dtype`.
 
   The layout change happens in the source dtype and the cast last, so a bf16 tensor stored as
   bf16 costs one extra copy of itself (not two float32 ones): peak ≈ 2× the tensor.
+  `names` (the slot's tensor names) only label errors. K3's A_log [P] must be zero past the
+  head count: non-zero padding is a ValueError naming the tensor and the values (§12).
   """
   w = mx.mxfp4_unpack(arrays[0], arrays[1], np.float32) if leaf.mx else np.asarray(arrays[0])
   shape = leaf.slice_shape
@@ -331,16 +422,38 @@ def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32) -> np.ndarra
   elif leaf.kind == "conv":
     w = w[:, 0, :].T.reshape(shape)
   elif leaf.kind == "a_log_pad":
+    pad = np.asarray(w[shape[0]:], np.float32)
+    if pad.any():
+      nz = np.flatnonzero(pad)
+      vals = ", ".join(f"[{shape[0] + i}]={float(pad[i])!r}" for i in nz[:8])
+      raise ValueError(f"{names[0] if names else 'A_log'}: entries past the {shape[0]} heads "
+                       f"must be zero padding, found {len(nz)} non-zero: {vals}"
+                       f"{' …' if len(nz) > 8 else ''}")
     w = w[:shape[0]]
   elif leaf.kind == "patch_conv":
     w = w.reshape(w.shape[0], -1).T
+  elif leaf.kind == "u8":
+    return w.reshape(shape)   # packed MXFP4 bytes: kept as they are
   else:
     raise ValueError(f"unknown kind {leaf.kind!r}")
   return w.astype(dtype, copy=False)
 
 
+def to_ours_into(dest: np.ndarray, leaf: Leaf, arrays: list[np.ndarray],
+                 names: tuple[str, ...] = ()) -> None:
+  """`to_ours` written straight into `dest` (a C-contiguous view of shape leaf.slice_shape):
+  a Linear weight [out, in] is transposed and cast in one pass, with no intermediate copy."""
+  if leaf.kind == "linear" and dest.flags.c_contiguous:
+    w = mx.mxfp4_unpack(arrays[0], arrays[1], np.float32) if leaf.mx else np.asarray(arrays[0])
+    np.copyto(dest.reshape(w.shape[1], w.shape[0]), w.T, casting="unsafe")
+  else:
+    dest[...] = to_ours(leaf, arrays, dest.dtype, names)
+
+
 def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
   """One slice of ours → the PyTorch array(s) of `slot` (packed+scale for MXFP4)."""
+  if leaf.kind == "u8":
+    return [np.ascontiguousarray(np.asarray(x).reshape(slot.shapes[0]))]
   x = np.asarray(x, np.float32)
   tshape = slot.shapes[0]
   if leaf.mx:
@@ -359,6 +472,8 @@ def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
     w[:x.shape[0]] = x
   elif leaf.kind == "patch_conv":
     w = x.T.reshape(tshape)
+  elif leaf.kind == "u8":
+    return [np.ascontiguousarray(np.asarray(x).reshape(tshape))]
   else:
     raise ValueError(f"unknown kind {leaf.kind!r}")
   return [np.ascontiguousarray(w.astype(np.float32 if leaf.fp32 else dtype))]
@@ -369,4 +484,5 @@ def slot_nbytes(slot: Slot) -> int:
 
 
 __all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "align", "model_paths", "to_ours",
-           "from_ours", "A_LOG_PAD", "PREFIXES", "SKIPPED_PREFIXES"]
+           "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX", "MTP_PREFIX",
+           "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan", "export_dtype"]

@@ -60,7 +60,7 @@ def resolve_arch(d: dict, arch: str) -> str:
   found = hf_config.detect_arch(d)
   if arch == "auto":
     return found
-  if arch not in N.PREFIXES:
+  if arch not in N.ARCHS:
     raise ValueError(f"--arch: expected auto, kimi_linear or kimi_k3, found {arch!r}")
   if arch != found:
     raise ValueError(f"--arch {arch}: config.json describes a {found} checkpoint "
@@ -74,50 +74,57 @@ def _fmt_list(items: list, limit: int = 20) -> str:
   return "\n  " + s + more
 
 
-def validate(source: Source, leaves: list[N.Leaf], arch: str) -> list[str]:
-  """Raise ValueError listing missing / unexpected / wrong-shape / wrong-dtype tensors.
+# Tensors the release stores in float32 (§9): a K3 source with another dtype for these is
+# mis-typed (the values would already have been rounded).
+_K3_FP32 = re.compile(r"(A_log|dt_bias|_conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
-  Returns the names of tensors skipped on purpose (a K3 checkpoint's vision tower when the
-  config has none).
-  """
+
+def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str]]:
+  """Every difference between a checkpoint's tensors (`infos`: name → TensorInfo, headers
+  only) and what `leaves` expect: {"missing", "unexpected", "shape", "dtype"} → lines naming
+  each tensor with the expected and found value. Nothing is read but the headers."""
   expected = {}
   for leaf in leaves:
     for slot in leaf.slots:
       for name, shape, kind in zip(slot.names, slot.shapes, slot.dtypes):
         expected[name] = (shape, kind)
-  have = source.infos
-  skip = N.SKIPPED_PREFIXES[arch]
-  if any(leaf.path[0] in ("vision_tower", "mm_projector") for leaf in leaves):
-    # The config has a vision tower: its tensors are converted, so an unknown
-    # `vision_tower.*` / `mm_projector.*` name is an error, not a skipped extra.
-    skip = tuple(p for p in skip if p not in ("vision_tower.", "mm_projector."))
-  skipped = sorted(n for n in have if n not in expected and n.startswith(skip))
-  missing = sorted(set(expected) - set(have))
-  unexpected = sorted(set(have) - set(expected) - set(skipped))
-  wrong = []
-  for name, (shape, kind) in sorted(expected.items()):
-    if name not in have:
+  out = {"missing": sorted((n for n in expected if n not in infos), key=N._natural_key),
+         "unexpected": sorted((n for n in infos if n not in expected), key=N._natural_key),
+         "shape": [], "dtype": []}
+  for name, (shape, kind) in expected.items():
+    info = infos.get(name)
+    if info is None:
       continue
-    info = have[name]
+    dt = info.dtype
     if tuple(info.shape) != tuple(shape):
-      wrong.append(f"{name}: config.json implies shape {list(shape)}, found {list(info.shape)}")
-    elif kind == "uint8" and info.dtype != np.uint8:
-      wrong.append(f"{name}: expected dtype uint8 (MXFP4), found {info.dtype}")
-    elif kind == "float" and info.dtype.kind not in "fV" and info.dtype.name not in (
-        "bfloat16", "float8_e4m3fn", "float8_e5m2"):
-      wrong.append(f"{name}: expected a float dtype, found {info.dtype}")
-  problems = []
-  if missing:
-    problems.append(f"{len(missing)} missing tensor(s):{_fmt_list(missing)}")
-  if unexpected:
-    problems.append(f"{len(unexpected)} unexpected tensor(s) (not used by this config):"
-                    f"{_fmt_list(unexpected)}")
-  if wrong:
-    problems.append(f"{len(wrong)} tensor(s) disagree with config.json:{_fmt_list(wrong)}")
-  if problems:
-    raise ValueError(f"checkpoint {str(source.dir)!r} does not match its config.json "
-                     f"({arch}):\n" + "\n".join(problems))
-  return skipped
+      out["shape"].append(f"{name}: config.json implies shape {list(shape)}, found "
+                          f"{list(info.shape)}")
+    if kind == "uint8" and dt != np.uint8:
+      out["dtype"].append(f"{name}: expected dtype uint8 (MXFP4), found {dt}")
+    elif kind == "float" and dt.kind != "f" and dt.name not in _FLOATS:
+      out["dtype"].append(f"{name}: expected a float dtype, found {dt}")
+    elif kind == "float" and arch == "kimi_k3" and _K3_FP32.search(name) and dt != np.float32:
+      out["dtype"].append(f"{name}: expected float32 (the release keeps it in fp32), found {dt}")
+  out["shape"].sort(key=N._natural_key)
+  out["dtype"].sort(key=N._natural_key)
+  return out
+
+
+def report(found: dict[str, list[str]], limit: int = 20) -> str:
+  """The text of `problems(...)`: one section per kind, empty when the checkpoint matches."""
+  titles = {"missing": "missing tensor(s)", "unexpected": "unexpected tensor(s) (not used by "
+            "this config; --skip_prefix names prefixes to leave out)",
+            "shape": "tensor(s) disagree with config.json (shape)",
+            "dtype": "tensor(s) disagree with config.json (dtype)"}
+  return "\n".join(f"{len(v)} {titles[k]}:{_fmt_list(v, limit)}" for k, v in found.items() if v)
+
+
+def validate(infos: dict, leaves: list[N.Leaf], arch: str, where: str) -> None:
+  """Raise ValueError listing missing / unexpected / wrong-shape / wrong-dtype tensors."""
+  text = report(problems(infos, leaves, arch))
+  if text:
+    raise ValueError(f"checkpoint {where!r} does not match its config.json ({arch}):\n{text}")
 
 
 _HF_DENSE_ALIAS = re.compile(r"^(.*layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$")
@@ -197,10 +204,38 @@ def _set(tree: dict, path: tuple, value) -> None:
 ONLY = ("all", "vision")
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
+def fresh_mtp(config: ModelConfig, seed: int = 0) -> dict:
+  """{"params": {...}, "balance": {...}} of the MTP layer exactly as
+  `K3Model(config).init(jax.random.key(seed), tokens)` creates it (numpy float32 leaves).
+
+  The whole init is traced but only the MTP subtree is returned from the jitted function, so
+  XLA computes (and allocates) nothing else: the rest of the model is dead code.
+  """
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from k3jax.model import K3Model
+
+  def init(key):
+    v = nn.unbox(K3Model(config).init(key, jnp.zeros((1, 2), jnp.int32)))
+    return {c: v[c]["mtp"] for c in ("params", "balance") if c in v and "mtp" in v[c]}
+  out = jax.jit(init)(jax.random.key(seed))
+  return jax.tree.map(np.asarray, out)
+
+
+def _skip(infos: dict, skip_prefix: tuple[str, ...]) -> tuple[dict, list[str]]:
+  """(infos without the names under `skip_prefix`, the skipped names)."""
+  if not skip_prefix:
+    return infos, []
+  skipped = [n for n in infos if n.startswith(skip_prefix)]
+  return {n: i for n, i in infos.items() if not n.startswith(skip_prefix)}, skipped
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "auto",
             dtype: str = "float32", allow_torch_pickle: bool = False, progress: bool = True,
             log: Callable[[str], None] = print, only: str = "all",
-            **config_overrides) -> pathlib.Path:
+            skip_prefix: tuple[str, ...] | list[str] = (), check_only: bool = False,
+            mtp_seed: int = 0, **config_overrides) -> pathlib.Path | None:
   """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`.
 
   dtype: storage of matmul weights ("float32" or "bfloat16"); norms, A_log, dt_bias, convs and
@@ -208,20 +243,36 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
   only: "all" (text model, and the vision tower when config.json has a vision_config) or
   "vision" (the tower + projector alone, `k3jax.convert.vision.convert_vision`; arch
   kimi_k3 or kimi_k25, "auto" reads config.json's model_type).
+  Text tensors may be spelled `language_model.model.*` or bare `model.*` (not both).
+  skip_prefix: source tensors whose names start with one of these are left out (reported);
+  any other tensor the config does not use is an error. Skipping `vision_tower.` and
+  `mm_projector.` converts the text model alone (the vision tower is dropped from the config).
+  MTP: the release has no MTP tensors. When the config has an MTP layer and the source holds
+  none of its `k3jax_mtp.*` tensors, the layer is initialised as `K3Model.init` does (seed
+  `mtp_seed`), reported through `log` and in `dst/conversion.json`.
+  check_only: read config.json, the index and every shard's header (no tensor data), report
+  every problem (ValueError) or log a summary; nothing is written and `dst` is not used.
   """
   from k3jax.train.checkpoint import save_pretrained
-  src, dst = pathlib.Path(src), pathlib.Path(dst)
+  src = pathlib.Path(src)
   if only not in ONLY:
     raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
   if dtype not in _STORE:
     raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
-  _check_dst(dst)
+  skip_prefix = tuple(skip_prefix)
+  if any(not p for p in skip_prefix):
+    raise ValueError("--skip_prefix: an empty prefix would skip every tensor")
+  if not check_only:
+    dst = pathlib.Path(dst)
+    _check_dst(dst)
   d = read_config(src)
   if only == "vision" or arch == "kimi_k25":
     from k3jax.convert.vision import ARCHS, convert_vision
     if only != "vision":
       raise ValueError("--arch kimi_k25: only the vision tower converts (pass --only vision); "
                        "the K2.5 text model (DeepSeek-V3 layout) is not a k3jax model")
+    if check_only or skip_prefix:
+      raise ValueError("--only vision: --check_only and --skip_prefix apply to full conversions")
     if arch == "auto":
       arch = d.get("model_type") if d.get("model_type") in ARCHS else "?"
       if arch == "?":
@@ -238,15 +289,38 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
   for key, why in hf_config.ignored_keys(d).items():
     log(f"config.json: ignoring {key!r}: {why}")
   source = Source(src, allow_torch_pickle=allow_torch_pickle)
-  leaves = N.leaves(config, arch)
   renamed = normalize_names(source)
   if renamed:
     log(f"read {len(renamed)} tensor(s) under transformers' names (e.g. {renamed[0][0]})")
-  skipped = validate(source, leaves, arch)
+  infos, skipped = _skip(source.infos, skip_prefix)
   if skipped:
-    log(f"skipping {len(skipped)} non-text tensor(s) (e.g. {skipped[0]})")
+    log(f"skipping {len(skipped)} tensor(s) under --skip_prefix {list(skip_prefix)} "
+        f"(e.g. {skipped[0]})")
+  if config.vision is not None and all(
+      n.startswith(skip_prefix) for leaf in N.vision_leaves(config.vision)
+      for s in leaf.slots for n in s.names):
+    log("the vision tower is skipped (--skip_prefix): converting the text model alone")
+    config = config.replace(vision=None, media_placeholder_token_id=None)
+  text_prefix = N.detect_text_prefix(infos)
+  leaves = N.leaves(config, arch, text_prefix=text_prefix)
+  mtp_names = {n for leaf in leaves if N.is_mtp(leaf) for s in leaf.slots for n in s.names}
+  new_mtp = bool(mtp_names) and not any(n in infos for n in mtp_names)
+  if new_mtp:   # the release: no MTP tensors at all (some but not all is a `missing` error)
+    leaves = [leaf for leaf in leaves if not N.is_mtp(leaf)]
+  validate(infos, leaves, arch, str(source.dir))
+  n_tensors = sum(len(s.names) for leaf in leaves for s in leaf.slots)
+  total = sum(infos[n].nbytes for leaf in leaves for s in leaf.slots for n in s.names)
+  mtp_note = (f"the source has no MTP tensors; the config's MTP layer is initialised as "
+              f"K3Model.init does (seed {mtp_seed})") if new_mtp else None
+  if check_only:
+    log(f"check: {str(source.dir)!r} matches its config.json ({arch}, text prefix "
+        f"{text_prefix + 'model.'!r}): {n_tensors} tensors, {total / 2**30:.2f} GiB"
+        + (f"; {mtp_note}" if mtp_note else ""))
+    return None
   # The checkpoint matches the config; now match our map to the model's variables tree.
   model_tree = N.model_paths(config)
+  if new_mtp:
+    model_tree = {k: v for k, v in model_tree.items() if k[1:2] != ("mtp",)}
   leaves = N.align(leaves, set(model_tree))
   wrong = []
   for leaf in leaves:
@@ -257,40 +331,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
     raise ValueError(f"the converter's shapes and the model's differ:{_fmt_list(wrong)}")
 
   tmp, scratch = _tmp_paths(dst)
-  total = sum(source.infos[n].nbytes for leaf in leaves for s in leaf.slots for n in s.names)
-  n_tensors = sum(len(s.names) for leaf in leaves for s in leaf.slots)
   variables: dict = {"params": {}, "balance": {}}
-  done = 0
   try:
     scratch.mkdir()
-    with _progress(total, "convert", progress) as bar:
-      for li, leaf in enumerate(leaves):
-        store = np.dtype(np.float32) if leaf.fp32 else _STORE[dtype]
-        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * store.itemsize
-        if nbytes >= MEMMAP_MIN_BYTES:
-          arr = np.lib.format.open_memmap(scratch / f"{li}.npy", mode="w+", dtype=store,
-                                          shape=leaf.shape)
-        else:
-          arr = np.empty(leaf.shape, store)
-        for slot in leaf.slots:
-          raw = [source.get(n) for n in slot.names]
-          arr[slot.index] = N.to_ours(leaf, raw, store)
-          done += len(slot.names)
-          bar.update(sum(r.nbytes for r in raw))
-          bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
-          del raw
-        if isinstance(arr, np.memmap):
-          # Written pages go to disk and leave this process's resident set (they stay in the
-          # page cache, reclaimable, until orbax reads them back).
-          arr.flush()
-          arr._mmap.madvise(mmap.MADV_DONTNEED)
-        _set(variables[leaf.collection], leaf.path, arr)
+    _fill(source, leaves, variables, scratch, dtype, total, n_tensors, progress)
+    if new_mtp:
+      log(f"MTP: {mtp_note}")
+      for coll, tree in fresh_mtp(config, mtp_seed).items():
+        variables[coll]["mtp"] = tree
     if not variables["balance"]:
       del variables["balance"]
     log(f"writing orbax checkpoint ({len(leaves)} leaves)")
     with _orbax_streaming_numpy():
       save_pretrained(tmp, config, variables)
     del variables
+    meta = {"source": str(source.dir.resolve()), "arch": arch,
+            "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
+            "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
+            "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
+            "mtp_note": mtp_note}
+    (tmp / "conversion.json").write_text(json.dumps(meta, indent=2))
     os.rename(tmp, dst)   # atomic on one filesystem: dst appears only when complete
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -300,11 +360,38 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "auto",
   return dst
 
 
+def _fill(source: Source, leaves: list[N.Leaf], variables: dict, scratch: pathlib.Path,
+          dtype: str, total: int, n_tensors: int, progress: bool) -> None:
+  """Fill `variables[collection][path]` with every leaf, read from `source` one slot at a
+  time. Leaves of ≥ MEMMAP_MIN_BYTES live in memory-mapped scratch files (pages released after
+  each leaf) so that RAM holds about one source tensor and its converted copy."""
+  done = 0
+  with _progress(total, "convert", progress) as bar:
+    for li, leaf in enumerate(leaves):
+      store = (np.dtype(np.uint8) if leaf.kind == "u8" else
+               np.dtype(np.float32) if leaf.fp32 else _STORE[dtype])
+      nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * store.itemsize
+      if nbytes >= MEMMAP_MIN_BYTES:
+        arr = np.lib.format.open_memmap(scratch / f"{li}.npy", mode="w+", dtype=store,
+                                        shape=leaf.shape)
+      else:
+        arr = np.empty(leaf.shape, store)
+      for slot in leaf.slots:
+        raw = [source.get(n) for n in slot.names]
+        N.to_ours_into(arr[slot.index], leaf, raw, slot.names)
+        done += len(slot.names)
+        bar.update(sum(r.nbytes for r in raw))
+        bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
+        del raw
+      if isinstance(arr, np.memmap):
+        # Written pages go to disk and leave this process's resident set (they stay in the
+        # page cache, reclaimable, until orbax reads them back).
+        arr.flush()
+        arr._mmap.madvise(mmap.MADV_DONTNEED)
+      _set(variables[leaf.collection], leaf.path, arr)
+
+
 # ---------------------------------------------------------------------- export
-def _natural_key(name: str):
-  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
 def _get(tree: dict, path: tuple):
   for p in path:
     if not isinstance(tree, dict) or p not in tree:
@@ -324,13 +411,21 @@ def _flat_paths(tree, prefix=()):
 def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = None,
            expert_format: str | None = None, dtype: str = "bfloat16",
            max_shard_bytes: int = 4 << 30, progress: bool = True,
-           loaded: tuple[ModelConfig, dict] | None = None, only: str = "all") -> pathlib.Path:
+           loaded: tuple[ModelConfig, dict] | None = None, only: str = "all",
+           text_prefix: str | None = None, mtp: bool = False,
+           log: Callable[[str], None] = print) -> pathlib.Path:
   """Write a k3jax checkpoint (`src`, or an already `loaded` (config, variables)) as a
-  PyTorch-layout directory: sharded safetensors + index + config.json.
+  PyTorch-layout directory: safetensors shards of at most `max_shard_bytes` +
+  `model.safetensors.index.json` + config.json (with the release's `quantization_config` when
+  experts are MXFP4).
 
-  With a vision tower in the config its tensors are written too (release names, `dtype`).
-  only="vision", or `src` a vision-only conversion (`vision_config.json`): the tower +
-  projector alone (`k3jax.convert.vision.export_vision`).
+  Names are the release's (§12): `language_model.model.*` / `language_model.lm_head.weight`
+  when the config has a vision tower, bare `model.*` / `lm_head.weight` otherwise
+  (`text_prefix` "language_model." or "" overrides). The release has no MTP tensors, so the
+  MTP layer is left out unless `mtp=True`, which writes it under `k3jax_mtp.*` (a name no
+  release loader reads; `convert` reads it back). With a vision tower its tensors are written
+  too (release names, `dtype`). only="vision", or `src` a vision-only conversion
+  (`vision_config.json`): the tower + projector alone (`k3jax.convert.vision.export_vision`).
   """
   src, dst = pathlib.Path(src) if src else None, pathlib.Path(dst)
   if only not in ONLY:
@@ -355,9 +450,15 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
                                 k: params[k] for k in ("vision_tower", "mm_projector")
                                 if k in params}}))
   arch = arch or ("kimi_k3" if hf_config.is_k3_style(config) else "kimi_linear")
+  expert_format = expert_format or ("mxfp4" if arch == "kimi_k3" else "bf16")
   have = {p: tuple(np.shape(_get(variables, p))) for c in ("params", "balance")
           if c in variables for p in _flat_paths(variables[c], (c,))}
-  leaves = N.align(N.leaves(config, arch, expert_format), set(have))
+  if config.num_mtp_layers and not mtp:
+    have = {p: s for p, s in have.items() if p[1:2] != ("mtp",)}
+    log("MTP layer not written (the release has none); export(mtp=True) / --mtp writes it "
+        f"under {N.MTP_PREFIX}*")
+  leaves = N.align(N.leaves(config, arch, expert_format, text_prefix=text_prefix, mtp=mtp),
+                   set(have))
   # Our tree must hold exactly these leaves with these shapes.
   want = {(l.collection,) + l.path: l.shape for l in leaves}
   missing = sorted("/".join(p) for p in set(want) - set(have))
@@ -371,15 +472,9 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
                      + (f"\n wrong shape:{_fmt_list(wrong)}" if wrong else ""))
 
   store = _STORE[dtype]
-  plan, where = [], {}
-  for leaf in leaves:
-    for slot in leaf.slots:
-      for k, (name, shape, kind) in enumerate(zip(slot.names, slot.shapes, slot.dtypes)):
-        dt = np.dtype(np.uint8) if kind == "uint8" else (
-            np.dtype(np.float32) if leaf.fp32 else store)
-        plan.append((name, dt, shape))
-        where[name] = (leaf, slot, k)
-  plan.sort(key=lambda e: _natural_key(e[0]))
+  plan = N.tensor_plan(leaves, store)
+  where = {name: (leaf, slot, k) for leaf in leaves for slot in leaf.slots
+           for k, name in enumerate(slot.names)}
 
   tmp, _ = _tmp_paths(dst)
   try:
@@ -397,7 +492,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
         writer.write(name, a.astype(dt, copy=False))
         bar.update(a.nbytes)
     writer.close()
-    cfg = hf_config.to_hf_config(config, arch)
+    cfg = hf_config.to_hf_config(config, arch, expert_format)
     tc = hf_config.text_config(cfg)
     tc["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

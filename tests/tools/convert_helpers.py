@@ -149,14 +149,17 @@ def moonvit_v2_tensors(params: dict) -> dict[str, np.ndarray]:
   return out
 
 
-def k3_tensors(c: ModelConfig, variables: dict) -> dict[str, np.ndarray]:
-  """The K3 checkpoint tensors (PyTorch names) of our variables."""
+def k3_tensors(c: ModelConfig, variables: dict, text_prefix: str = "language_model.",
+               mtp: bool = False) -> dict[str, np.ndarray]:
+  """The K3 checkpoint tensors (PyTorch names) of our variables: text under
+  `{text_prefix}model.` (§12: 'language_model.' or ''), no MTP tensors (the release has none)
+  unless `mtp`, then under the k3jax-only `k3jax_mtp.` prefix."""
   params, balance = variables["params"], variables.get("balance", {})
   pre, groups, suf = c.stack_layout()
   types = c.layer_types()
   attn_res = c.attn_res_block_size is not None
   out: dict[str, np.ndarray] = {}
-  root = "language_model.model."
+  root = f"{text_prefix}model."
   for i in range(c.num_layers):
     if pre <= i < c.num_layers - suf:
       g, j = divmod(i - pre, c.mla_every)
@@ -170,24 +173,26 @@ def k3_tensors(c: ModelConfig, variables: dict) -> dict[str, np.ndarray]:
   if attn_res:
     out[root + "output_attn_res_proj.weight"] = np.asarray(params["output_attn_res"]["proj"])[None]
     out[root + "output_attn_res_norm.weight"] = np.asarray(params["output_attn_res"]["norm"])
-  out["language_model.lm_head.weight"] = _lin(params["lm_head"]["kernel"])
-  if c.num_mtp_layers:
-    n = c.num_layers
-    mp = f"{root}layers.{n}."
+  out[f"{text_prefix}lm_head.weight"] = _lin(params["lm_head"]["kernel"])
+  if c.num_mtp_layers and mtp:
+    mp = "k3jax_mtp."
     out[mp + "enorm.weight"] = np.asarray(params["mtp"]["enorm"]["weight"])
     out[mp + "hnorm.weight"] = np.asarray(params["mtp"]["hnorm"]["weight"])
     out[mp + "eh_proj.weight"] = _lin(params["mtp"]["eh_proj"]["kernel"])
-    out[mp + "shared_head.norm.weight"] = np.asarray(params["mtp"]["norm"]["weight"])
-    _layer_tensors(c, params["mtp"]["layer"], balance["mtp"]["layer"], MLA, MOE, False, mp, out)
+    out[mp + "norm.weight"] = np.asarray(params["mtp"]["norm"]["weight"])
+    _layer_tensors(c, params["mtp"]["layer"], balance["mtp"]["layer"], MLA, MOE, False,
+                   mp + "layer.", out)
   if c.vision is not None:
     out.update(moonvit_v2_tensors(params))
   return out
 
 
 def write_k3_checkpoint(directory: pathlib.Path, config: ModelConfig, variables: dict,
-                        shards: int = 2) -> dict[str, np.ndarray]:
-  """Write `variables` as a sharded K3-layout checkpoint (+ index + config.json)."""
-  tensors = k3_tensors(config, variables)
+                        shards: int = 2, text_prefix: str = "language_model.",
+                        mtp: bool = False) -> dict[str, np.ndarray]:
+  """Write `variables` as a sharded K3-layout checkpoint (+ index + config.json with the
+  release's quantization_config)."""
+  tensors = k3_tensors(config, variables, text_prefix, mtp)
   directory.mkdir(parents=True, exist_ok=True)
   names = sorted(tensors)
   per = -(-len(names) // shards)
@@ -198,5 +203,6 @@ def write_k3_checkpoint(directory: pathlib.Path, config: ModelConfig, variables:
     write_file(directory / fname, {n: tensors[n] for n in part})
     weight_map.update({n: fname for n in part})
   (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-  (directory / "config.json").write_text(json.dumps(hf_config.to_hf_config(config, "kimi_k3")))
+  (directory / "config.json").write_text(
+      json.dumps(hf_config.to_hf_config(config, "kimi_k3", "mxfp4")))
   return tensors

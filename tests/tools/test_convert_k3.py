@@ -41,12 +41,13 @@ def _assert_trees_equal(a, b):
 def k3(tmp_path_factory):
   """A tiny K3 config (7 layers, MLA every 2nd + last: layers 0–1 unrolled, 2 scanned groups
   [2,3] [4,5], suffix 6; AttnRes blocks of 3; latent MoE; MTP), its random weights (experts
-  MXFP4-representable) and their K3-layout checkpoint."""
+  MXFP4-representable) and their K3-layout checkpoint (with the MTP layer under k3jax_mtp.*,
+  so that every leaf round-trips; the release layout without MTP: test_convert_release.py)."""
   config = preset("tiny", num_layers=7, mla_every=2, attn_res_block_size=3)
   assert config.stack_layout() == (2, 2, 1)
   variables = random_variables(config, seed=0)
   src = tmp_path_factory.mktemp("k3") / "src"
-  tensors = write_k3_checkpoint(src, config, variables)
+  tensors = write_k3_checkpoint(src, config, variables, mtp=True)
   return config, variables, src, tensors
 
 
@@ -71,7 +72,8 @@ def test_convert_is_exact_and_round_trips(k3, tmp_path):
 
   # export(convert(ckpt)) gives back the same tensors: packed experts, padded A_log, fp32
   back = export(dst, tmp_path / "back", arch="kimi_k3", expert_format="mxfp4", dtype="float32",
-                max_shard_bytes=200_000, progress=False)
+                max_shard_bytes=200_000, progress=False, text_prefix="language_model.",
+                mtp=True, log=lambda s: None)
   out = Source(back)
   assert out.names() == sorted(tensors)
   assert len(list(back.glob("model-*-of-*.safetensors"))) > 1
@@ -89,8 +91,10 @@ def test_convert_is_exact_and_round_trips(k3, tmp_path):
 
   # convert(export(p)) == p, with bf16 experts too
   back16 = export(None, tmp_path / "back16", arch="kimi_k3", expert_format="bf16",
-                  dtype="float32", progress=False, loaded=(got_config, got))
-  assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight" in Source(back16).infos
+                  dtype="float32", progress=False, loaded=(got_config, got), log=lambda s: None)
+  # text-only: bare model.* names, no MTP tensors (the release has none)
+  assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in Source(back16).infos
+  assert not [n for n in Source(back16).infos if n.startswith(("language_model.", "k3jax_mtp."))]
   # (the converter reads MXFP4 K3 checkpoints; bf16 experts are K3 export's option only)
   again = convert(back, tmp_path / "again", **QUIET, kda_chunk_size=config.kda_chunk_size)
   _assert_trees_equal(load_pretrained(again)[1], variables)

@@ -212,7 +212,7 @@ def test_full_k3_checkpoint_converts_text_and_vision(tmp_path):
   config = preset("tiny_multimodal")
   variables = random_variables(config, seed=3)
   src = tmp_path / "src"
-  tensors = write_k3_checkpoint(src, config, variables)
+  tensors = write_k3_checkpoint(src, config, variables, mtp=True)
   assert sum(n.startswith(("vision_tower.", "mm_projector.")) for n in tensors) == (
       6 * config.vision.num_layers + 6)
   dst = convert(src, tmp_path / "conv", arch="kimi_k3", kda_chunk_size=config.kda_chunk_size,
@@ -225,7 +225,8 @@ def test_full_k3_checkpoint_converts_text_and_vision(tmp_path):
   _assert_trees_equal(jax.tree.map(np.asarray, vvars),
                       {"params": {k: variables["params"][k]
                                   for k in ("vision_tower", "mm_projector")}})
-  back = export(dst, tmp_path / "back", arch="kimi_k3", dtype="float32", progress=False)
+  back = export(dst, tmp_path / "back", arch="kimi_k3", dtype="float32", progress=False,
+                mtp=True)
   out = Source(back)
   assert out.names() == sorted(tensors)
   for n in out.names():

@@ -1,0 +1,303 @@
+"""The release layout (K3_SPEC.md §12) both ways: `language_model.model.*` and bare `model.*`
+text names, no MTP tensors (a fresh MTP layer, reported), the nested config.json with its
+quantization_config (validated), A_log's zero padding (checked), unknown names refused unless
+under a --skip_prefix, packed MXFP4 experts kept packed, and the name listing of
+tools/checkpoint_names (497,220 entries for k3)."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from convert_helpers import random_variables, write_k3_checkpoint
+from k3jax import hf_config
+from k3jax.config import preset
+from k3jax.convert import convert, export
+from k3jax.convert import names as N
+from k3jax.convert import pipeline
+from k3jax.convert.safetensors_io import DTYPE_NAMES, Source, write_file
+from k3jax.quant import mx
+from k3jax.train.checkpoint import load_pretrained
+from tools.checkpoint_names import names_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+L0 = "layers.0.self_attn."   # a KDA layer
+
+
+def _flat(tree, prefix=()):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _flat(v, prefix + (k,))
+  else:
+    yield prefix, np.asarray(tree)
+
+
+def _split_mtp(tree):
+  """(flat leaves outside `mtp`, flat leaves of `mtp`) of a variables tree."""
+  flat = dict(_flat(tree))
+  return ({k: v for k, v in flat.items() if k[1] != "mtp"},
+          {k: v for k, v in flat.items() if k[1] == "mtp"})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """7 layers (2 unrolled, 2 scanned groups, 1 suffix), AttnRes, latent MoE, an MTP layer;
+  random weights with MXFP4-representable experts."""
+  config = preset("tiny", num_layers=7, mla_every=2, attn_res_block_size=3)
+  assert config.num_mtp_layers == 1
+  return config, random_variables(config, seed=4)
+
+
+def _logs():
+  lines = []
+  return lines, dict(progress=False, log=lines.append)
+
+
+@pytest.mark.parametrize("prefix", ["language_model.", ""])
+def test_release_layout_round_trip_and_fresh_mtp(tiny, tmp_path, prefix):
+  config, variables = tiny
+  src = tmp_path / "src"
+  tensors = write_k3_checkpoint(src, config, variables, text_prefix=prefix)
+  assert f"{prefix}lm_head.weight" in tensors and not [n for n in tensors if "mtp" in n]
+  assert hf_config.check_quantization_config(json.loads((src / "config.json").read_text())) \
+      == "mxfp4"
+  lines, kw = _logs()
+  dst = convert(src, tmp_path / "conv", kda_chunk_size=config.kda_chunk_size, **kw)
+  # reported on the terminal and in the output's metadata
+  assert [l for l in lines if l.startswith("MTP:")] == [
+      "MTP: the source has no MTP tensors; the config's MTP layer is initialised as "
+      "K3Model.init does (seed 0)"]
+  meta = json.loads((dst / "conversion.json").read_text())
+  assert meta["mtp"] == "fresh" and meta["text_prefix"] == prefix + "model."
+  assert meta["tensors"] == len(tensors)
+  got_config, got = load_pretrained(dst)
+  assert got_config.replace(name=config.name) == config
+  rest, mtp = _split_mtp(jax.tree.map(np.asarray, got))
+  want_rest, want_mtp = _split_mtp(variables)
+  assert sorted(rest) == sorted(want_rest) and sorted(mtp) == sorted(want_mtp)
+  for k in rest:
+    np.testing.assert_array_equal(rest[k], want_rest[k], err_msg="/".join(k))
+  # the MTP layer is K3Model.init's, not the (unavailable) original
+  fresh = dict(_flat(pipeline.fresh_mtp(config, 0), ("x",)))
+  for k, v in mtp.items():
+    np.testing.assert_array_equal(v, fresh[("x", k[0]) + k[2:]], err_msg="/".join(k))
+  assert any(not np.array_equal(v, want_mtp[k]) for k, v in mtp.items())
+
+  # export in the same spelling gives the source back bit for bit, without MTP tensors
+  lines, kw = _logs()
+  back = export(dst, tmp_path / "back", dtype="float32", text_prefix=prefix,
+                max_shard_bytes=300_000, **kw)
+  assert any("MTP layer not written" in l for l in lines)
+  out = Source(back)
+  assert out.names() == sorted(tensors)
+  for n in out.names():
+    a = out.get(n)
+    assert a.dtype == tensors[n].dtype, n
+    np.testing.assert_array_equal(a, tensors[n], err_msg=n)
+  index = json.loads((back / "model.safetensors.index.json").read_text())
+  assert sorted(index["weight_map"]) == sorted(tensors)
+  assert len(set(index["weight_map"].values())) > 1
+  cfg = json.loads((back / "config.json").read_text())
+  assert cfg["model_type"] == "kimi_k3" and "text_config" in cfg
+  assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
+  assert hf_config.check_quantization_config(cfg) == "mxfp4"
+
+
+def test_export_default_spelling_and_mtp_flag(tiny, tmp_path):
+  config, variables = tiny
+  quiet = dict(progress=False, log=lambda s: None, dtype="float32")
+  bare = Source(export(None, tmp_path / "bare", loaded=(config, variables), **quiet)).names()
+  assert "lm_head.weight" in bare and not [n for n in bare if n.startswith(
+      ("language_model.", "k3jax_mtp."))]
+  with_mtp = export(None, tmp_path / "mtp", loaded=(config, variables), mtp=True, **quiet)
+  extra = sorted(set(Source(with_mtp).names()) - set(bare))
+  assert extra and all(n.startswith("k3jax_mtp.") for n in extra)
+  assert "k3jax_mtp.layer.self_attn.kv_b_proj.weight" in extra
+  # a written MTP layer converts back exactly (no fresh one)
+  lines, kw = _logs()
+  _, got = load_pretrained(convert(with_mtp, tmp_path / "again",
+                                   kda_chunk_size=config.kda_chunk_size, **kw))
+  assert not [l for l in lines if l.startswith("MTP:")]
+  for k, v in dict(_flat(variables)).items():
+    np.testing.assert_array_equal(dict(_flat(jax.tree.map(np.asarray, got)))[k], v,
+                                  err_msg="/".join(k))
+
+
+# ---------------------------------------------------------------------- refusals
+def _expect_error(src, tmp_path, match, **kw):
+  dst = tmp_path / "out"
+  with pytest.raises(ValueError, match=match):
+    convert(src, dst, progress=False, log=lambda s: None, **kw)
+  assert not dst.exists()
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")], "temp dirs left"
+
+
+def _release(tiny, tmp_path, edit=None, prefix="language_model."):
+  """The release-layout checkpoint of `tiny` in one file, `edit(tensors)` applied."""
+  config, variables = tiny
+  d = tmp_path / "src"
+  tensors = write_k3_checkpoint(d, config, variables, text_prefix=prefix, shards=1)
+  if edit:
+    edit(tensors)
+    for f in d.glob("*.safetensors"):
+      f.unlink()
+    (d / "model.safetensors.index.json").unlink()
+    write_file(d / "model.safetensors", tensors)
+  return d
+
+
+def test_both_prefixes_are_refused(tiny, tmp_path):
+  def dup(t):
+    t["model.norm.weight"] = t["language_model.model.norm.weight"]
+  d = _release(tiny, tmp_path, dup)
+  _expect_error(d, tmp_path, r"spells its text tensors both ways: "
+                r"'language_model\.model\.[^']+' .* and 'model\.norm\.weight'")
+
+
+def test_nonzero_a_log_padding_is_refused(tiny, tmp_path):
+  name = "language_model.model." + L0 + "A_log"
+  def pad(t):
+    t[name] = t[name].copy()
+    t[name][5], t[name][127] = 0.25, -1.5
+  d = _release(tiny, tmp_path, pad)
+  _expect_error(d, tmp_path, re.escape(name) + r": entries past the 2 heads must be "
+                r"zero padding, found 2 non-zero: \[5\]=0\.25, \[127\]=-1\.5")
+
+
+def test_unknown_names_are_errors_unless_skipped(tiny, tmp_path):
+  config, variables = tiny
+  def add(t):
+    t["vision_tower.extra.weight"] = np.zeros(3, np.float32)
+    t["optimizer.step"] = np.zeros(1, np.float32)
+  d = _release(tiny, tmp_path, add)
+  _expect_error(d, tmp_path, r"(?s)2 unexpected tensor\(s\).*\n  optimizer\.step\n  "
+                r"vision_tower\.extra\.weight")
+  _expect_error(d, tmp_path, r"(?s)1 unexpected tensor\(s\).*\n  optimizer\.step",
+                skip_prefix=["vision_tower."])
+  lines, kw = _logs()
+  dst = convert(d, tmp_path / "ok", skip_prefix=["vision_tower.", "optimizer."],
+                kda_chunk_size=config.kda_chunk_size, **kw)
+  assert any(l.startswith("skipping 2 tensor(s) under --skip_prefix") for l in lines)
+  assert json.loads((dst / "conversion.json").read_text())["skipped_tensors"] == 2
+  with pytest.raises(ValueError, match="empty prefix"):
+    convert(d, tmp_path / "x", skip_prefix=[""], progress=False)
+
+
+def test_quantization_config_is_validated(tiny, tmp_path):
+  good = hf_config.release_quantization_config()
+  def check(edit, match):
+    qc = json.loads(json.dumps(good))
+    edit(qc)
+    with pytest.raises(ValueError, match=match):
+      hf_config.check_quantization_config({"quantization_config": qc})
+  check(lambda q: q.update(format="nvfp4-pack-quantized"),
+        r"'quantization_config\.format': expected 'mxfp4-pack-quantized', found "
+        r"'nvfp4-pack-quantized'")
+  check(lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16),
+        r"'quantization_config\.config_groups\.group_0\.weights\.group_size': expected 32")
+  check(lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
+        r"input_activations': expected null")
+  check(lambda q: q["ignore"].remove("re:.*shared_experts.*"),
+        r"'quantization_config\.ignore': expected entries covering \['shared_experts'\]")
+  check(lambda q: q["ignore"].append("re:.*experts.*"),
+        r"expected no entry covering the routed experts")
+  assert hf_config.check_quantization_config({}) is None
+  # the spellings the release may use for its ignore entries are accepted
+  qc = {**good, "ignore": ["language_model.lm_head", "re:.*self_attn.*",
+                           "re:.*shared_experts.*", "re:vision_tower.*"]}
+  assert hf_config.check_quantization_config({"quantization_config": qc}) == "mxfp4"
+  # through the converter: refused before anything is written
+  d = _release(tiny, tmp_path)
+  cfg = json.loads((d / "config.json").read_text())
+  cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+  (d / "config.json").write_text(json.dumps(cfg))
+  _expect_error(d, tmp_path, r"group_size': expected 32 .*found 64")
+
+
+def test_packed_experts_stay_packed(tiny, tmp_path, monkeypatch):
+  """expert_format='mxfp4': experts/<w>/weight_packed + weight_scale hold the release's bytes
+  stacked over experts (k3jax/quant/mx.py), nothing decoded; export writes them back."""
+  config, variables = tiny
+  d = _release(tiny, tmp_path)
+  source = Source(d)
+  packed_config = config.replace(expert_format="mxfp4")
+  paths = N.model_paths(packed_config)
+  if not any(p[-1] == mx.PACKED for p in paths):
+    # The model does not build the packed parameter form yet: check the converter against the
+    # layout k3jax/quant/mx.py defines (the same shapes, derived from the bf16 tree).
+    def packed_paths(c):
+      out = {}
+      for p, s in N.model_paths(c.replace(expert_format="bf16")).items():
+        if p[-2:-1] == ("experts",) and p[-1] in mx.EXPERT_MATRICES:
+          lead, (e, i, o) = s[:-3], s[-3:]
+          pk, sc = mx.packed_expert_shapes(e, i, o)
+          out[p + (mx.PACKED,)], out[p + (mx.SCALE,)] = lead + pk, lead + sc
+        else:
+          out[p] = s
+      return out
+    monkeypatch.setattr(N, "model_paths", packed_paths)
+  dst = convert(d, tmp_path / "packed", kda_chunk_size=config.kda_chunk_size,
+                expert_format="mxfp4", progress=False, log=lambda s: None)
+  got_config, got = load_pretrained(dst)
+  assert got_config.expert_format == "mxfp4"
+  w1 = got["params"]["layers_1"]["block_sparse_moe"]["experts"]["w1"]
+  m = "language_model.model.layers.1.block_sparse_moe.experts."
+  want = mx.stack_release_experts(
+      [source.get(f"{m}{e}.w1.weight_packed") for e in range(config.num_experts)],
+      [source.get(f"{m}{e}.w1.weight_scale") for e in range(config.num_experts)])
+  for leaf, ref in zip((w1[mx.PACKED], w1[mx.SCALE]), want):
+    assert np.asarray(leaf).dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(leaf), ref)
+  # scanned body: [groups, E, out, in/2]
+  body = got["params"]["body"]["layers_0"]["block_sparse_moe"]["experts"]["w2"][mx.PACKED]
+  assert body.shape == (2, config.num_experts, config.latent_moe_dim,
+                        config.moe_intermediate_size // 2)
+  back = export(None, tmp_path / "back", loaded=(got_config, jax.tree.map(np.asarray, got)),
+                dtype="float32", text_prefix="language_model.", progress=False,
+                log=lambda s: None)
+  out = Source(back)
+  for n in out.names():
+    if ".experts." in n:
+      np.testing.assert_array_equal(out.get(n), source.get(n), err_msg=n)
+  assert sorted(out.names()) == sorted(source.names())
+
+
+# ---------------------------------------------------------------------- names listing
+def test_checkpoint_names_equal_what_export_writes(tmp_path):
+  config = preset("tiny_multimodal")
+  variables = random_variables(config, seed=5)
+  back = export(None, tmp_path / "mm", loaded=(config, variables), progress=False,
+                log=lambda s: None)
+  infos = Source(back).infos
+  listed = names_for(config)
+  assert [n for n, _, _ in listed] == sorted(infos, key=N._natural_key)
+  for n, dt, shape in listed:
+    assert (infos[n].dtype, infos[n].shape) == (dt, shape), n
+  assert listed[0][0].startswith("language_model.")     # vision tower → multimodal spelling
+  r = subprocess.run([sys.executable, "-m", "tools.checkpoint_names", "--preset",
+                      "tiny_multimodal"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.splitlines() == [f"{n}\t{list(s)}\t{DTYPE_NAMES[d]}" for n, d, s in listed]
+
+
+def test_checkpoint_names_k3_count():
+  """The release: 497,220 entries (§12), 1.562 TB; listing the names allocates nothing."""
+  r = subprocess.run([sys.executable, "-m", "tools.checkpoint_names", "--preset", "k3"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = r.stdout.splitlines()
+  assert len(lines) == 497_220
+  assert sum(l.endswith("\tU8") for l in lines) == 92 * 896 * 3 * 2
+  assert sum(l.startswith(("vision_tower.", "mm_projector.")) for l in lines) == 168
+  assert not [l for l in lines if "mtp" in l]
+  assert "language_model.model.layers.0.self_attn.A_log\t[128]\tF32" in lines
+  assert ("language_model.model.layers.91.block_sparse_moe.experts.895.w2.weight_scale\t"
+          "[3584, 96]\tU8") in lines
+  total = sum(int(np.prod(json.loads(l.split("\t")[1]))) * {"BF16": 2, "F32": 4, "U8": 1}[
+      l.split("\t")[2]] for l in lines)
+  assert total == 1_562_050_870_272
