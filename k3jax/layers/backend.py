@@ -94,8 +94,16 @@ def kda_chunked_fn(backend: str, *, lower_bound: float | None = None, packed: bo
 def expert_mlp_fn(config):
   """`kernels(config).expert_mlp` (`ops.moe.expert_mlp` less `gmm`), or — under
   `k3jax.sharding.activate(mesh)` with expert > 1 — its expert-parallel form (all_to_all
-  dispatch, k3jax/parallel/expert.py) running the same grouped matmul, same signature."""
+  dispatch, k3jax/parallel/expert.py) running the same grouped matmul, same signature.
+
+  `expert_format="mxfp4"`: the sorted XLA path (`ops.moe.expert_mlp` with gmm=None), which
+  dequantises packed experts a chunk at a time inside the computation, on every backend: the
+  grouped-matmul kernels take dense weights (a Pallas gmm dequantising in its tiles is the
+  fused form still to come)."""
+  from k3jax.ops.moe import expert_mlp
   from k3jax.parallel.expert import maybe_expert_parallel
+  if getattr(config, "expert_format", "bf16") == "mxfp4":
+    return maybe_expert_parallel(expert_mlp, gmm=None)
   ks = kernels(config)
   return maybe_expert_parallel(ks.expert_mlp, gmm=ks.gmm)
 

@@ -24,8 +24,52 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.norms import RMSNorm
 
 
+# Each expert matrix is initialised like its own [in, out] Linear (fan-in = in).
+_expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                                out_axis=-1, batch_axis=(0,))
+
+
+class PackedExpertMatrix(nn.Module):
+  """One expert matrix in MXFP4 (`expert_format="mxfp4"`): params `weight_packed` uint8
+  [E, out, in/2] and `weight_scale` uint8 [E, out, in/32] (the release's bytes per expert,
+  k3jax/quant/mx.py). __call__() → `ops.moe.MXFP4Weight` (logical kernel [E, in, out]).
+
+  Init draws the float kernel as the "bf16" form would and packs it with the exporter's
+  quantiser (both leaves from one draw).
+  """
+  shape: tuple[int, int, int]         # logical kernel (E, in, out)
+  axes: tuple[str, str, str]          # logical axes of the kernel (experts, in, out)
+
+  @nn.compact
+  def __call__(self):
+    from k3jax.ops.moe import MXFP4Weight
+    from k3jax.quant import mx
+    e, din, dout = self.shape
+    pshape, sshape = mx.packed_expert_shapes(e, din, dout)
+    drawn = {}
+
+    def leaf(i):
+      def init(key, shape, dtype):
+        if "w" not in drawn:   # the first leaf's key draws for both
+          drawn["w"] = mx.pack_expert(_expert_init(key, self.shape, jnp.float32))
+        return drawn["w"][i]
+      return init
+
+    ex, ax_in, ax_out = self.axes
+    # The packed bytes keep the kernel's sharding (the in/2 axis as `in`); the scales are
+    # 1/16 of the bytes and left replicated along their block axis.
+    packed = param(self, "weight_packed", leaf(0), pshape, (ex, ax_out, ax_in), jnp.uint8)
+    scale = param(self, "weight_scale", leaf(1), sshape, (ex, ax_out, None), jnp.uint8)
+    return MXFP4Weight(packed, scale)
+
+
 class Experts(nn.Module):
-  """Routed expert weights: w1, w3 [E,D,F] and w2 [E,F,D] (D = ℓ, or d for classic MoE)."""
+  """Routed expert weights: w1, w3 [E,D,F] and w2 [E,F,D] (D = ℓ, or d for classic MoE).
+
+  expert_format "bf16": three params in param_dtype, returned as arrays. "mxfp4": three
+  `PackedExpertMatrix` submodules (`w1/weight_packed`, `w1/weight_scale`, …), returned as
+  `ops.moe.MXFP4Weight`s of the same logical shapes (k3jax/quant/mx.py gives the layout).
+  """
   config: object
   in_dim: int
   in_axis: str
@@ -34,13 +78,16 @@ class Experts(nn.Module):
   def __call__(self):
     cfg = self.config
     e, dim, f = cfg.num_experts, self.in_dim, cfg.moe_intermediate_size
-    # Each expert matrix is initialised like its own [in, out] Linear (fan-in = in).
-    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
-                                            out_axis=-1, batch_axis=(0,))
+    up = ("experts", self.in_axis, "expert_mlp")
+    down = ("experts", "expert_mlp", self.in_axis)
+    if cfg.expert_format == "mxfp4":
+      return (PackedExpertMatrix((e, dim, f), up, name="w1")(),
+              PackedExpertMatrix((e, dim, f), up, name="w3")(),
+              PackedExpertMatrix((e, f, dim), down, name="w2")())
     dt = dtype_of(cfg.param_dtype)   # like every Linear kernel (the bulk of K3's parameters)
-    w1 = param(self, "w1", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"), dt)
-    w3 = param(self, "w3", init, (e, dim, f), ("experts", self.in_axis, "expert_mlp"), dt)
-    w2 = param(self, "w2", init, (e, f, dim), ("experts", "expert_mlp", self.in_axis), dt)
+    w1 = param(self, "w1", _expert_init, (e, dim, f), up, dt)
+    w3 = param(self, "w3", _expert_init, (e, dim, f), up, dt)
+    w2 = param(self, "w2", _expert_init, (e, f, dim), down, dt)
     return w1, w3, w2
 
 
@@ -102,9 +149,11 @@ class StableLatentMoE(nn.Module):
     if self.is_initializing():  # params never depend on the dispatch: skip it in init
       u, dropped = jnp.zeros(z.shape, jnp.float32), 0
     else:
+      # Packed (MXFP4Weight) experts stay packed: the expert op dequantises them in chunks.
+      cast = lambda w: w if isinstance(w, tuple) else w.astype(compute)
       u, dropped = backend.expert_mlp_fn(cfg)(
-          z, weights, indices.astype(jnp.int32), w1.astype(compute), w3.astype(compute),
-          w2.astype(compute), activation=cfg.activation, beta1=cfg.situ_beta1,
+          z, weights, indices.astype(jnp.int32), cast(w1), cast(w3), cast(w2),
+          activation=cfg.activation, beta1=cfg.situ_beta1,
           beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t))
     if latent:
       u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(

@@ -19,6 +19,11 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
   This module never imports a kernel: an op that can run one takes it as an argument.
 - `expert_mlp_reference(...)`: every expert on every token, combined with a dense [N, E]
   weight matrix (slow, E/k times the needed FLOPs, obviously correct); tests and benchmarks.
+- `MXFP4Weight(packed, scale)`: an expert matrix kept as the release's MXFP4 bytes
+  (`ModelConfig.expert_format="mxfp4"`). Every w1/w3/w2 argument above may be one: the sorted
+  path and `batched_experts` dequantise it inside the computation, a chunk of experts (or one
+  tile's expert) at a time (`DEQUANT_CHUNK_ELEMENTS`), so all experts never exist in bf16 at
+  once; the reference dequantises everything first. A `gmm` does not take packed weights.
 
 Dropping rule (all paths agree): pairs are ranked inside each expert by their flat index
 n·k + j (token-major, earlier tokens first); a pair whose rank is ≥ `capacity` is dropped (its
@@ -28,15 +33,111 @@ contribution is zero) and counted in `dropped`. With `capacity=None` nothing is 
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
 # gmm(lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G] int32) -> [M, N]: rows
 # [o_g, o_g + group_sizes[g]) use rhs[g] (o_g = Σ_{h<g} group_sizes[h]); rows past Σ sizes → 0.
 GroupedMatmul = Callable[[Array, Array, Array], Array]
+
+
+# --------------------------------------------------------------------------- packed weights
+# Upper bound on the elements of one dequantised chunk of experts (w1 + w3 + w2 of the chunk):
+# 2^22 elements = 8 MiB in bf16. k3's single expert is 33M elements, so it runs one at a time.
+DEQUANT_CHUNK_ELEMENTS = 1 << 22
+DEQUANTIZED = "dequantized_experts"   # checkpoint name: recomputed, never saved for backward
+
+
+class MXFP4Weight(NamedTuple):
+  """One expert matrix stored as MXFP4 (k3jax/quant/mx.py, "packed expert params").
+
+  packed: uint8 [E, out, in/2] (two E2M1 codes a byte, low nibble first);
+  scale: uint8 [E, out, in/32] (E8M0). Logically the kernel [E, in, out] (`shape`); each
+  expert's bytes are the release's `weight_packed` / `weight_scale`. A pytree (NamedTuple):
+  it slices, scans and shards like a pair of arrays along the expert axis.
+  """
+  packed: Array
+  scale: Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The logical kernel shape (..., E, in, out)."""
+    *lead, out, half = self.packed.shape
+    return (*lead, half * 2, out)
+
+  def dequantize(self, dtype) -> Array:
+    """The kernel [..., E, in, out] in `dtype` (exact: E2M1 × 2^k fits bf16)."""
+    from k3jax.quant import mx
+    return mx.unpack_expert(self.packed, self.scale, dtype)
+
+
+def is_packed(w) -> bool:
+  return isinstance(w, MXFP4Weight)
+
+
+def dense_experts(w, dtype) -> Array:
+  """An expert kernel (array or `MXFP4Weight`) as an array [..., E, in, out] of `dtype`."""
+  if is_packed(w):
+    return checkpoint_name(w.dequantize(dtype), DEQUANTIZED)
+  return w.astype(dtype)
+
+
+def _take_expert(w, e, keepdims: bool = False):
+  """Expert `e` (traced int) of w: [in, out] array (or [1, in, out] with `keepdims`), or an
+  MXFP4Weight of that one expert ([1, …] leaves with `keepdims`)."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=keepdims), w)
+
+
+def _dequant_chunk(num_experts: int, per_expert: int) -> int:
+  """Experts per dequantised chunk: the largest divisor of E whose chunk holds at most
+  `DEQUANT_CHUNK_ELEMENTS` (at least 1)."""
+  best = 1
+  for c in range(1, num_experts + 1):
+    if num_experts % c == 0 and c * per_expert <= DEQUANT_CHUNK_ELEMENTS:
+      best = c
+  return best
+
+
+def _no_dequant_residuals(fn):
+  """`fn` whose backward recomputes the dequantised weights instead of keeping them: saved
+  per chunk, the residuals would stack up to the whole bf16 expert tensor again."""
+  policy = jax.checkpoint_policies.save_anything_except_these_names(DEQUANTIZED)
+  return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+def batched_experts(rows: Array, w1, w3, w2, act) -> Array:
+  """Expert e's MLP on rows[e]: rows [E, C, D] → [E, C, D] in rows.dtype.
+
+  w1, w3 [E, D, F], w2 [E, F, D] as arrays (one batched einsum each, w1‖w3 fused) or
+  `MXFP4Weight`s (a scan over chunks of experts, each chunk dequantised inside its step:
+  the dequantised temporaries are one chunk's, `DEQUANT_CHUNK_ELEMENTS`).
+  """
+  dt = rows.dtype
+  f = w1.shape[-1]
+
+  def mlp(r, a1, a3, a2):
+    a = jnp.einsum("ecd,edf->ecf", r, jnp.concatenate([a1, a3], axis=-1))
+    return jnp.einsum("ecf,efd->ecd", act(a[..., :f], a[..., f:]).astype(dt), a2)
+
+  if not any(map(is_packed, (w1, w3, w2))):
+    return mlp(rows, w1.astype(dt), w3.astype(dt), w2.astype(dt))
+  e, c, d = rows.shape
+  ec = _dequant_chunk(e, 3 * d * f)
+
+  @_no_dequant_residuals
+  def chunk(r, a1, a3, a2):
+    return mlp(r, dense_experts(a1, dt), dense_experts(a3, dt), dense_experts(a2, dt))
+
+  if ec == e:
+    return chunk(rows, w1, w3, w2)
+  split = lambda a: a.reshape(e // ec, ec, *a.shape[1:])
+  xs = jax.tree.map(split, (rows, w1, w3, w2))
+  _, out = jax.lax.scan(lambda _, xs_: (None, chunk(*xs_)), None, xs)
+  return out.reshape(e, c, d)
 
 
 # --------------------------------------------------------------------------- activations
@@ -188,7 +289,7 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
   if x.ndim != 2:
     raise ValueError(f"expert_mlp: x must be [N, D], found shape {x.shape}")
   n, d = x.shape
-  if w1.ndim != 3:
+  if len(w1.shape) != 3:
     raise ValueError(f"expert_mlp: w1 must be [E, D, F], found shape {w1.shape}")
   e, d1, f = w1.shape
   if d1 != d:
@@ -206,6 +307,15 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
         f"expert_mlp: weights must be [N, k]={indices.shape}, found shape {weights.shape}")
   if gmm is not None and not callable(gmm):
     raise ValueError(f"expert_mlp: gmm must be a grouped matmul function or None, found {gmm!r}")
+  if gmm is not None and any(map(is_packed, (w1, w3, w2))):
+    raise ValueError("expert_mlp: a grouped matmul (gmm) takes dense weights, found MXFP4Weight "
+                     "experts; pass gmm=None (the sorted path dequantises them in chunks)")
+  for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+    if is_packed(w) and (w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8 or
+                         w.scale.shape != (*w.packed.shape[:-1], w.packed.shape[-1] // 16)):
+      raise ValueError(f"expert_mlp: {name} MXFP4Weight must be uint8 packed [E, out, in/2] + "
+                       f"uint8 scale [E, out, in/32], found {w.packed.dtype} "
+                       f"{w.packed.shape} + {w.scale.dtype} {w.scale.shape}")
   if capacity_ is not None and (not isinstance(capacity_, int) or capacity_ < 1):
     raise ValueError(f"expert_mlp: capacity must be a positive int or None, found {capacity_!r}")
 
@@ -214,8 +324,9 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
 def _prepare(x, weights, indices, w1, w3, w2, activation, beta1, beta2):
   """The activation function and the operands in the dtypes every path computes in."""
   cdt = x.dtype
+  cast = lambda w: w if is_packed(w) else w.astype(cdt)   # packed: dequantised where used
   return (activation_fn(activation, beta1, beta2), weights.astype(jnp.float32),
-          indices.astype(jnp.int32), w1.astype(cdt), w3.astype(cdt), w2.astype(cdt))
+          indices.astype(jnp.int32), cast(w1), cast(w3), cast(w2))
 
 
 def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w2: Array, *,
@@ -227,7 +338,8 @@ def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w
   Args:
     x: [N, D] tokens (the latent z for Stable LatentMoE); its dtype is the matmul dtype.
     weights: [N, k] combine weights (fp32). indices: [N, k] int expert ids in [0, E).
-    w1, w3: [E, D, F]; w2: [E, F, D] expert weights (cast to x.dtype for the matmuls).
+    w1, w3: [E, D, F]; w2: [E, F, D] expert weights (cast to x.dtype for the matmuls), or
+      `MXFP4Weight`s of those logical shapes (dequantised to x.dtype a chunk at a time).
     activation: "situ" (β1, β2) or "swiglu", evaluated in fp32.
     capacity: rows per expert (see `capacity()`); None = dropless.
     gmm: None → the sorted dense-einsum path; a `GroupedMatmul` → expert-sorted rows through
@@ -251,8 +363,10 @@ def expert_mlp_reference(x: Array, weights: Array, indices: Array, w1: Array, w3
                          beta1: float = 4.0, beta2: float = 25.0,
                          capacity: int | None = None) -> tuple[Array, Array]:
   """`expert_mlp`'s function computed the obvious way: every expert on every token, then a
-  dense [N, E] combine (E/k times the needed FLOPs). Same arguments and results."""
+  dense [N, E] combine (E/k times the needed FLOPs). Same arguments and results; MXFP4Weight
+  experts are dequantised whole first (the slow, obviously correct reading of the packed form)."""
   _validate(x, weights, indices, w1, w3, w2, capacity)
+  w1, w3, w2 = (dense_experts(w, x.dtype) for w in (w1, w3, w2))
   act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
                                                beta1, beta2)
   return _expert_mlp_reference(x, weights, indices, w1, w3, w2, act, capacity)
@@ -349,11 +463,6 @@ def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
   pair_expert = indices.reshape(-1)
   pair_rank = s["position"] - s["group_starts"][pair_expert]         # [P] rank in its expert
   keep = pair_rank < c
-  w13 = jnp.concatenate([w1, w3], axis=-1)                            # [E, D, 2F]
-
-  def mlp(rows, w13_, w2_, spec):
-    a = jnp.einsum(spec, rows, w13_)
-    return jnp.einsum(spec, act(a[..., :f], a[..., f:]).astype(x.dtype), w2_)
 
   if layout == "buffer":
     r = jnp.arange(c, dtype=jnp.int32)
@@ -377,15 +486,22 @@ def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
   buf = gather_rows(x, row_pair // k, row_valid, slot.reshape(n, k), keep.reshape(n, k))
 
   if layout == "buffer":
-    out = mlp(buf.reshape(e, c, d), w13, w2, "ecd,edf->ecf").reshape(num_rows, d)
+    out = batched_experts(buf.reshape(e, c, d), w1, w3, w2, act).reshape(num_rows, d)
   else:
     # One tile per scan step, its expert's weights read by a dynamic index: materialising
     # w[tile_expert] ([n_tiles, D, F] per weight, and its scatter-add in the backward pass)
-    # measured ~1.5x slower on CPU than this loop (docs/notes/moe.md).
+    # measured ~1.5x slower on CPU than this loop (docs/notes/moe.md). Packed weights: only
+    # the tile's expert is dequantised, inside the step.
+    packed = any(map(is_packed, (w1, w3, w2)))
+    w13 = None if packed else jnp.concatenate([w1, w3], axis=-1)      # [E, D, 2F]
+
     def tile_mlp(_, inp):
       b, ex = inp
-      pick = lambda w: jax.lax.dynamic_index_in_dim(w, ex, keepdims=False)
-      return None, mlp(b, pick(w13), pick(w2), "td,df->tf")
+      if packed:
+        return None, batched_experts(b[None], *(_take_expert(w, ex, keepdims=True)
+                                                for w in (w1, w3, w2)), act)[0]
+      a = b @ _take_expert(w13, ex)
+      return None, act(a[..., :f], a[..., f:]).astype(x.dtype) @ _take_expert(w2, ex)
 
     _, out = jax.lax.scan(tile_mlp, None, (buf.reshape(num_tiles, t, d), tile_expert))
     out = out.reshape(num_rows, d)

@@ -69,12 +69,14 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
   Args:
     x: [N, D] local tokens (the latent z); weights [N, k] fp32; indices [N, k] global expert
       ids in [0, num_experts).
-    w1, w3: [E/ep, D, F]; w2: [E/ep, F, D]: this device's experts (experts e·E/ep … on shard e).
+    w1, w3: [E/ep, D, F]; w2: [E/ep, F, D]: this device's experts (experts e·E/ep … on shard e),
+      arrays or `moe_ops.MXFP4Weight`s (the packed bytes are what crosses no wire: each device
+      dequantises its own experts, a chunk at a time, `moe_ops.batched_experts`).
     capacity_factor: rows per (source device, expert) = ceil(cf · N · k / E); None = dropless.
     capacity: explicit rows per (source device, expert), overriding `capacity_factor`.
     valid: [N] bool, False on padding rows (not counted in `dropped`); None: all rows real.
     gmm: None → the local experts run as batched einsums; a `moe_ops.GroupedMatmul` → they run
-      through it (module docstring, step 3).
+      through it (module docstring, step 3); packed experts always take the einsums.
   Returns:
     y [N, D] in x.dtype (Σ_j weights_ij · E_{indices_ij}(x_i), dropped pairs contribute 0),
     dropped: int32 real pairs over capacity on this device (not yet summed over devices).
@@ -95,10 +97,9 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
   buf = buf.reshape(ep, e_local, cap, d)
   buf = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)
   rows = buf.transpose(1, 0, 2, 3).reshape(e_local, ep * cap, d)
-  if gmm is None:
-    h = act(jnp.einsum("ecd,edf->ecf", rows, w1.astype(cdt)),
-            jnp.einsum("ecd,edf->ecf", rows, w3.astype(cdt)))
-    out = jnp.einsum("ecf,efd->ecd", h.astype(cdt), w2.astype(cdt))
+  if gmm is None or any(map(moe_ops.is_packed, (w1, w3, w2))):
+    # Batched einsums; MXFP4 experts dequantised a chunk of local experts at a time.
+    out = moe_ops.batched_experts(rows, w1, w3, w2, act)
   else:
     # The rows are already grouped by local expert, ep·C each (unfilled rows are zero and
     # never read back), so the kernel sees equal static group sizes.
@@ -132,7 +133,8 @@ def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3:
   """`ops.moe.expert_mlp` with experts sharded over `expert` (global arrays in and out).
 
   x: [B, T, D] (batch over data/fsdp/expert, T over context) or [N, D] (N over all of them);
-  weights/indices: the same leading dims + [k]; w1, w3 [E, D, F], w2 [E, F, D] (E over expert).
+  weights/indices: the same leading dims + [k]; w1, w3 [E, D, F], w2 [E, F, D] (E over expert),
+  arrays or `moe_ops.MXFP4Weight`s (both leaves sharded over `expert` on their E axis).
   `capacity` (rows per expert and source device) overrides `capacity_factor`.
   `num_valid` ([N, D] x only): rows from `num_valid` on are padding, left out of `dropped`.
   `gmm`: the grouped matmul the local experts run through (None: batched einsums).
