@@ -7,7 +7,9 @@ FLOPs per trained token (forward + backward = 3 × forward; a matmul is 2 FLOPs 
   + KDA:  6 · L_kda · H · (2·dk·dv + C·(dk + dv)/2) (state read q·S and update kᵀv per token,
                                                     plus the intra-chunk causal part, chunk C)
 N_active counts every parameter a token multiplies: all kernels except the embedding lookup
-(lm_head included, once even if tied), and of the routed experts only k/E of them. The MTP
+(lm_head included, once even if tied), and of the routed experts only k/E of them; the vision
+tower and projector are left out (they run per patch, not per text token: MFU counts the
+language model's FLOPs only). The MTP
 layer (run in training) is included. MFU = FLOPs/token · tokens/s ÷ peak, where the peak is
 measured at start-up in the same process: the best of a few jitted fp32 matmuls (`matmul_peak`).
 """
@@ -48,6 +50,8 @@ def active_params(config: ModelConfig, params: dict, with_mtp: bool = True) -> f
       continue
     if not with_mtp and "mtp" in parts:
       continue
+    if "vision_tower" in parts or "mm_projector" in parts:
+      continue    # they run per image patch / merged token, not per text token
     n = float(np.prod(x.shape))
     total += n * frac if "experts" in parts else n
   return total

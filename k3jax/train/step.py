@@ -11,6 +11,11 @@ optimizer applied once — the same update as the whole batch at once (each micr
 divided by the whole batch's token count). Shardings are the caller's business
 (k3jax/train/sharded.py jits the step for a mesh and hands it the params' shardings, which the
 gradients are pinned to); nothing here names a mesh axis.
+
+Media: a batch may carry `media` (a `k3jax.vision.media.Media` of B streams, stream b holding
+the images of row b: k3jax/train/shapes.py); the model puts the projected vision tokens at the
+placeholders, and the vision tower and projector train with the language model in the same
+optimizer. Micro-batches split the streams with the rows.
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float, deno
   use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
   out, mut = _model(config).apply(
       {"params": params, "balance": balance}, batch["inputs"],
-      segment_ids=batch["segment_ids"], return_mtp=use_mtp, mutable=["stats"])
+      segment_ids=batch["segment_ids"], return_mtp=use_mtp, mutable=["stats"],
+      media=batch.get("media"))
   logits, mtp_logits = out if use_mtp else (out, None)
   n_all, n2_all = denominators if denominators is not None else _token_counts(batch, use_mtp)
   s, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
@@ -181,7 +187,8 @@ def make_eval_step(config: ModelConfig):
 
   def eval_step(variables, batch):
     logits, _ = _model(config).apply(variables, batch["inputs"],
-                                     segment_ids=batch["segment_ids"], mutable=["stats"])
+                                     segment_ids=batch["segment_ids"], mutable=["stats"],
+                                     media=batch.get("media"))
     s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
     byte = jnp.sum(batch["loss_mask"] * (batch["targets"] < 256))
     return {"ce_sum": s, "tokens": n, "byte_tokens": byte}

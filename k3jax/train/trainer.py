@@ -103,6 +103,56 @@ def _signature(cfg) -> dict:
           "clip": float(cfg.optim.get("clip_norm", 0.0)) > 0}
 
 
+# ---------------------------------------------------------------------- data
+SHAPES = "shapes"
+
+
+def make_data(cfg, config: ModelConfig, curriculum=()):
+  """(train iterator, eval batches, shuffled-media eval batches) of `cfg.data`.
+
+  data.source "shapes" (k3jax/train/shapes.py, needs model.vision): image/clip–caption rows
+  carrying a `Media` of train.batch_size streams of data.media_length patches (0: the largest
+  of the vision config's pack_buckets), with data.text_fraction of the rows text windows of
+  data.text_source; its eval batches are held-out captions, and the same captions with each
+  other's images ("shuffled"). Any other source: text (k3jax/train/data.py), no shuffled set.
+  """
+  t, d = cfg.train, cfg.data
+  n_eval = t.get("eval_batches", 2) if t.eval_every else 0
+  if d.source != SHAPES:
+    corpus = data_lib.load_corpus(d.source, d.eval_percent, config.vocab_size)
+    it = data_lib.DataIterator(corpus, t.batch_size, t.seq_len, cfg.seed, curriculum)
+    evals = data_lib.eval_batches(corpus, n_eval, t.batch_size, t.seq_len, cfg.seed)
+    return it, (evals if n_eval else []), []
+  from k3jax.train import shapes
+  if config.vision is None:
+    raise ValueError("config.data.source='shapes': the model has no vision tower "
+                     "(model.vision is None); use configs/tiny_multimodal.py or set model.vision")
+  if config.media_placeholder_token_id != data_lib.MEDIA:
+    raise ValueError(f"config.model.media_placeholder_token_id: the shapes corpus writes the "
+                     f"byte tokenizer's <media> = {data_lib.MEDIA}, found "
+                     f"{config.media_placeholder_token_id}")
+  if curriculum:
+    raise ValueError("config.train.curriculum: not supported with data.source='shapes' (one "
+                     "row length per run)")
+  length = d.get("media_length", 0) or config.vision.pack_buckets[-1]
+  fraction = float(d.get("text_fraction", 0.0))
+  stream = fp = None
+  if fraction > 0:
+    corpus = data_lib.load_corpus(d.get("text_source", "stdlib"), d.eval_percent,
+                                  config.vocab_size)
+    stream, fp = corpus.train, corpus.fingerprint()
+  it = shapes.ShapesIterator(config.vision, t.batch_size, t.seq_len, length, cfg.seed,
+                             fraction, stream, fp)
+  if not n_eval:
+    return it, [], []
+  # Enough held-out samples for n_eval batches (about 3 samples per 128-token row).
+  samples = shapes.eval_samples(cfg.seed, max(1, n_eval * t.batch_size * t.seq_len // 48))
+  evals = shapes.eval_batches(config.vision, samples, t.batch_size, t.seq_len, length)
+  shuffled = shapes.eval_batches(config.vision, samples, t.batch_size, t.seq_len, length,
+                                 shuffled=True)
+  return it, evals, shuffled
+
+
 # ---------------------------------------------------------------------- step cache
 _STEPS: dict = {}
 
@@ -127,8 +177,7 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
   validate(cfg, config)
   t = cfg.train
   curriculum = data_lib.parse_curriculum(t.curriculum)
-  corpus = data_lib.load_corpus(cfg.data.source, cfg.data.eval_percent, config.vocab_size)
-  it = data_lib.DataIterator(corpus, t.batch_size, t.seq_len, cfg.seed, curriculum)
+  it, evals, evals_shuffled = make_data(cfg, config, curriculum)
   os.makedirs(workdir, exist_ok=True)
   ckpt = Checkpointer(workdir, max_to_keep=t.max_to_keep or None,
                       async_save=t.get("async_checkpoint", True))
@@ -153,8 +202,6 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
   end = t.steps if until is None else min(t.steps, until)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=t.get("tensorboard", True))
   peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak()
-  evals = data_lib.eval_batches(corpus, t.get("eval_batches", 2), t.batch_size, t.seq_len,
-                                cfg.seed) if t.eval_every else []
   muon_fps = metrics_lib.muon_flops_per_step(state.params) if cfg.optim.muon else 0.0
   records = []
   show = t.get("progress", True) if progress is None else progress
@@ -189,6 +236,9 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
         scalars.update(metrics_lib.router_metrics(jax.device_get(m["stats"])))
         if evals and (done % t.eval_every == 0 or done == end):
           scalars.update(evaluate(eval_fn, state.variables, evals))
+          if evals_shuffled:   # the same captions, each with another caption's images
+            scalars["eval_loss_shuffled"] = evaluate(eval_fn, state.variables,
+                                                     evals_shuffled)["eval_loss"]
         writer.write(done, scalars)
         records.append({"step": done, **scalars})
         tokens_since, t_since = 0, time.perf_counter()
