@@ -15,6 +15,7 @@ Directory layouts: `model.safetensors`, or shards `*.safetensors` named by
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import struct
@@ -48,8 +49,10 @@ class TensorInfo:
 
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-  """Parse one safetensors header; ValueError if it is malformed or the file is truncated."""
-  path = pathlib.Path(path)
+  """Parse one safetensors header; ValueError if it is malformed or the file is truncated.
+  Every TensorInfo's `file` is `path` itself when it is a pathlib.Path (Source compares by
+  identity)."""
+  path = path if isinstance(path, pathlib.Path) else pathlib.Path(path)
   size = path.stat().st_size
   with open(path, "rb") as f:
     raw = f.read(8)
@@ -65,21 +68,24 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
       raise ValueError(f"{path}: unreadable safetensors header: {e}") from None
   base = 8 + n
   out = {}
+  # Plain-Python arithmetic per entry (a release header has ~5,000 entries per shard and
+  # 497,220 in all: numpy scalar calls here dominated `--check_only`).
   for name, h in header.items():
     if name == "__metadata__":
       continue
-    if h.get("dtype") not in DTYPES:
+    dt = DTYPES.get(h.get("dtype"))
+    if dt is None:
       raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {h.get('dtype')!r}")
-    shape = tuple(int(s) for s in h["shape"])
-    b, e = (int(o) for o in h["data_offsets"])
-    want = int(np.prod(shape, dtype=np.int64)) * DTYPES[h["dtype"]].itemsize
+    shape = tuple(map(int, h["shape"]))
+    b, e = map(int, h["data_offsets"])
+    want = math.prod(shape) * dt.itemsize
     if e - b != want:
       raise ValueError(f"{path}: tensor {name!r} {h['dtype']}{list(shape)} needs {want} bytes, "
                        f"its offsets span {e - b}")
     if base + e > size:
       raise ValueError(f"{path}: truncated safetensors file: tensor {name!r} ends at byte "
                        f"{base + e}, file has {size}")
-    out[name] = TensorInfo(path, DTYPES[h["dtype"]], shape, base + b, base + e)
+    out[name] = TensorInfo(path, dt, shape, base + b, base + e)
   return out
 
 
@@ -116,11 +122,13 @@ class Source:
       missing = [s for s in shards if not (self.dir / s).exists()]
       if missing:
         raise ValueError(f"{index} names shard(s) that do not exist: {missing}")
+      files = {s: self.dir / s for s in shards}
       for s in shards:
-        for name, info in read_header(self.dir / s).items():
-          self.infos[name] = info
+        self.infos.update(read_header(files[s]))
+      # Identity of the Path objects (one per shard) is the cheap test for ~500k names.
+      infos = self.infos
       listed_elsewhere = sorted(n for n, s in weight_map.items()
-                                if n not in self.infos or self.infos[n].file.name != s)
+                                if n not in infos or infos[n].file is not files[s])
       if listed_elsewhere:
         raise ValueError(f"{index}: tensors not found in the shard it names: "
                          f"{listed_elsewhere[:10]}{' …' if len(listed_elsewhere) > 10 else ''}")

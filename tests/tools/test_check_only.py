@@ -1,0 +1,128 @@
+"""`convert --check_only` on the full K3 release layout: 96 safetensors shards, 497,220
+entries, 1.56 TB — synthesised as header-only files made the right size with `os.truncate`
+(sparse: no data blocks on disk). A clean layout passes; one with a missing, an extra, a
+mis-shaped and two mis-typed tensors is refused with each of them named. Both checks read
+headers only and are timed (figure in docs/notes/convert.md)."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from k3jax import hf_config
+from k3jax.config import preset
+from k3jax.convert import convert
+from k3jax.convert.safetensors_io import INDEX_NAME, _header_bytes
+from tools.checkpoint_names import names_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHARDS = 96
+M = "language_model.model."
+
+
+def _write_shard(path: pathlib.Path, entries) -> None:
+  """A valid safetensors file of `entries` [(name, dtype, shape)] whose data is a hole."""
+  header = _header_bytes(entries, {"format": "pt"})
+  data = sum(math.prod(s) * d.itemsize for _, d, s in entries)
+  with open(path, "wb") as f:
+    f.write(header)
+  os.truncate(path, len(header) + data)
+
+
+def _release_layout(d: pathlib.Path, edit=None) -> dict[str, list]:
+  """The k3 release layout in `SHARDS` shards split by bytes; `edit(shards)` may change the
+  entries first. Returns {file: entries}."""
+  config = preset("k3")
+  plan = names_for(config)
+  total = sum(math.prod(s) * dt.itemsize for _, dt, s in plan)
+  shards: dict[str, list] = {}
+  done = 0
+  for name, dt, shape in plan:
+    k = done * SHARDS // total
+    shards.setdefault(f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors", []).append(
+        (name, dt, shape))
+    done += math.prod(shape) * dt.itemsize
+  assert len(shards) == SHARDS
+  if edit:
+    edit(shards)
+  d.mkdir(parents=True, exist_ok=True)
+  for f, entries in shards.items():
+    _write_shard(d / f, entries)
+  (d / INDEX_NAME).write_text(json.dumps({
+      "metadata": {"total_size": total},
+      "weight_map": {n: f for f, entries in shards.items() for n, _, _ in entries}}))
+  (d / "config.json").write_text(json.dumps(hf_config.to_hf_config(config, "kimi_k3",
+                                                                    "mxfp4")))
+  return shards
+
+
+def _faults(shards):
+  import ml_dtypes
+  import numpy as np
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+
+  def edit(name, fn):
+    for entries in shards.values():
+      for i, e in enumerate(entries):
+        if e[0] == name:
+          entries[i:i + 1] = fn(e)
+          return
+    raise KeyError(name)
+  edit(M + "layers.5.self_attn.q_proj.weight", lambda e: [])                   # missing
+  edit(M + "layers.6.self_attn.q_proj.weight",                                 # + an extra
+       lambda e: [e, (M + "layers.6.self_attn.q_bias", bf16, (12288,))])
+  edit(M + "layers.8.self_attn.o_norm.weight", lambda e: [(e[0], e[1], (127,))])  # shape
+  edit(M + "layers.9.block_sparse_moe.experts.3.w1.weight_scale",              # dtype
+       lambda e: [(e[0], bf16, e[2])])
+  edit(M + "layers.10.self_attn.A_log", lambda e: [(e[0], bf16, e[2])])        # not fp32
+
+
+@pytest.fixture(scope="module")
+def layout(tmp_path_factory):
+  d = tmp_path_factory.mktemp("release") / "k3"
+  _release_layout(d)
+  return d
+
+
+def test_check_only_passes_the_full_release_layout(layout):
+  size = sum(p.stat().st_size for p in layout.glob("*.safetensors"))
+  on_disk = sum(p.stat().st_blocks * 512 for p in layout.glob("*.safetensors"))
+  assert size > 1.56e12 and on_disk < 2e8          # sparse: headers only
+  lines = []
+  t0 = time.perf_counter()
+  assert convert(layout, None, check_only=True, progress=False, log=lines.append) is None
+  seconds = time.perf_counter() - t0
+  print(f"check_only, clean k3 release layout: {seconds:.1f} s")
+  assert lines[-1].startswith(f"check: {str(layout)!r} matches its config.json (kimi_k3, "
+                              "text prefix 'language_model.model.'): 497220 tensors, ")
+  assert "MTP layer is initialised" in lines[-1]
+  assert seconds < 60        # ≤ 10 s on an idle core; generous for a loaded shared machine
+
+
+def test_check_only_names_every_fault(tmp_path):
+  d = tmp_path / "k3"
+  _release_layout(d, _faults)
+  t0 = time.perf_counter()
+  r = subprocess.run([sys.executable, "-m", "tools.convert_from_pytorch", "--src", str(d),
+                      "--check_only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  seconds = time.perf_counter() - t0
+  print(f"check_only CLI, faulty k3 release layout: {seconds:.1f} s (with interpreter start)")
+  assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+  err = r.stderr
+  for line in (
+      f"1 missing tensor(s):\n  {M}layers.5.self_attn.q_proj.weight",
+      f"1 unexpected tensor(s) (not used by this config; --skip_prefix names prefixes to leave "
+      f"out):\n  {M}layers.6.self_attn.q_bias",
+      f"1 tensor(s) disagree with config.json (shape):\n  {M}layers.8.self_attn.o_norm.weight: "
+      "config.json implies shape [128], found [127]",
+      f"2 tensor(s) disagree with config.json (dtype):\n  {M}layers.9.block_sparse_moe.experts."
+      "3.w1.weight_scale: expected dtype uint8 (MXFP4), found bfloat16\n  "
+      f"{M}layers.10.self_attn.A_log: expected float32 (the release keeps it in fp32), found "
+      "bfloat16"):
+    assert line in err, err[-3000:]
+  assert seconds < 90
