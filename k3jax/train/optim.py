@@ -6,6 +6,11 @@ Parameters are split by Flax path (`param_label`):
   "muon"    every other kernel (2-D or 3-D once a scanned layer axis is removed).
   "balance" the router bias (`balance` collection): no gradient; Quantile Balancing sets it
             (k3jax.train.balance).
+  "frozen"  with `make_optimizer(freeze_experts=True)` (config `train.freeze_experts`): the
+            routed experts (`.../experts/...`, either expert_format) get zero updates and no
+            optimizer state — frozen-expert fine-tuning. Integer leaves (the MXFP4 experts'
+            `weight_packed` / `weight_scale`, expert_format="mxfp4") are only allowed there:
+            without the switch, building the optimizer state is a ValueError naming them.
 
 Per-Head Muon (`scale_by_per_head_muon`): Nesterov momentum (0.95), then Newton–Schulz
 orthogonalisation of each *block* separately, then scale 0.2·√max(fan_in, fan_out) of the block
@@ -47,13 +52,29 @@ def _is_scanned(path: str) -> bool:
   return path.startswith("body/") or "/body/" in path
 
 
-def param_label(path: str, shape) -> str:
-  """"adam" | "muon" | "balance" for a variable at Flax path `path` (see module doc)."""
+def _is_integer(dtype) -> bool:
+  """Integer leaves, and the float0 gradients `jax.grad(allow_int=True)` gives them."""
+  return dtype is not None and (jnp.issubdtype(dtype, jnp.integer) or
+                                dtype == jax.dtypes.float0)
+
+
+def param_label(path: str, shape, dtype=None, freeze_experts: bool = False) -> str:
+  """"adam" | "muon" | "balance" | "frozen" for a variable at Flax path `path` (module doc).
+
+  `dtype`: the leaf's dtype; an integer one (packed MXFP4 experts) is "frozen" when
+  `freeze_experts`, else a ValueError (they cannot take a gradient step)."""
   parts = path.split("/")
   if parts[0] == "balance":
     return "balance"
   if parts[0] == "params":
     parts = parts[1:]
+  if freeze_experts and "experts" in parts:
+    return "frozen"
+  if _is_integer(dtype):
+    raise ValueError(
+        f"{path}: {jnp.dtype(dtype)} parameter cannot be trained (packed MXFP4 experts, "
+        f"expert_format='mxfp4'); freeze the experts (train.freeze_experts=True, "
+        f"make_optimizer(freeze_experts=True)) or train with expert_format='bf16'")
   name = parts[-1]
   ndim = len(shape) - _is_scanned("/".join(parts))
   if (any(m in parts for m in ADAM_MODULES) or name in ADAM_NAMES
@@ -188,15 +209,16 @@ def _decay_mask(tree):
 def make_optimizer(schedule, *, weight_decay: float = 0.1, momentum: float = 0.95,
                    adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8,
                    muon: bool = True, balance_tx: optax.GradientTransformation | None = None,
-                   clip_norm: float = 0.0, mu_dtype=None,
-                   offload_momentum: bool = False) -> optax.GradientTransformationExtraArgs:
+                   clip_norm: float = 0.0, mu_dtype=None, offload_momentum: bool = False,
+                   freeze_experts: bool = False) -> optax.GradientTransformationExtraArgs:
   """The optimizer over {"params": ..., "balance": ...} (labels: `param_label`).
 
   `muon=False` sends the Muon group to AdamW too (a baseline). `balance_tx` updates the router
   bias (default: left unchanged). Extra args (`stats=`) reach `balance_tx`. `mu_dtype` stores
   the first moments (Muon momentum, Adam's mu) in that dtype (None: each parameter's dtype);
   Adam's second moment keeps the parameter's dtype. `offload_momentum` keeps Muon's momentum in
-  host memory (`scale_by_per_head_muon`).
+  host memory (`scale_by_per_head_muon`). `freeze_experts` gives the routed experts zero
+  updates and no state (label "frozen"); integer (packed) leaves need it (`param_label`).
   """
   lr = optax.scale_by_learning_rate(schedule)
   adam = optax.chain(optax.scale_by_adam(adam_b1, adam_b2, adam_eps, mu_dtype=mu_dtype),
@@ -210,14 +232,37 @@ def make_optimizer(schedule, *, weight_decay: float = 0.1, momentum: float = 0.9
                          optax.add_decayed_weights(weight_decay), lr)
   transforms = {"adam": adam, "muon": matrix,
                 "balance": balance_tx if balance_tx is not None else optax.set_to_zero()}
+  if freeze_experts:   # only then: the state of a run without it keeps its old structure
+    transforms["frozen"] = _frozen()
 
   def labels(tree):
-    return jax.tree_util.tree_map_with_path(lambda p, x: param_label(path_str(p), x.shape), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: param_label(path_str(p), x.shape, getattr(x, "dtype", None),
+                                 freeze_experts), tree)
 
   tx = optax.multi_transform(transforms, labels)
   if clip_norm and clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(clip_norm), tx)
   return optax.with_extra_args_support(tx)
+
+
+def _frozen() -> optax.GradientTransformation:
+  """Zero updates in the parameters' own dtypes (uint8 for packed experts, whose gradients
+  arrive as float0 or zeros), no state: `optax.apply_updates` leaves them bit-identical."""
+  def zero(u):
+    return jnp.zeros(u.shape, jnp.uint8 if u.dtype == jax.dtypes.float0 else u.dtype)
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None: (jax.tree.map(zero, updates), state))
+
+
+def integer_grads_to_zeros(grads):
+  """`jax.grad(..., allow_int=True)` gives integer (packed MXFP4) params float0 gradients,
+  which no arithmetic accepts (accumulation, norms, clipping); this turns them into uint8
+  zeros of the same shape, so a train step with frozen packed experts can sum, clip and hand
+  its gradients to the optimizer (whose "frozen" label ignores them)."""
+  return jax.tree.map(
+      lambda g: jnp.zeros(g.shape, jnp.uint8) if g.dtype == jax.dtypes.float0 else g, grads)
 
 
 # ---------------------------------------------------------------------- QK-Clip

@@ -251,3 +251,59 @@ def test_vision_tower_wqkv_and_wo_are_orthogonalised_per_head():
   upd, _ = tx.update({"params": v["params"], "balance": v["balance"]}, tx.init(v), v)
   u = upd["params"]["vision_tower"]["encoder"]["blocks_1"]["wqkv"]["kernel"]
   assert u.shape == (32, 3, 2, 16) and float(jnp.abs(u).max()) > 0
+
+
+# ---------------------------------------------------------------------- packed / frozen experts
+def _moe_params(expert_format):
+  import flax.linen as nn
+  from k3jax.layers.moe import StableLatentMoE
+  cfg = preset("tiny", expert_format=expert_format)
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 4, cfg.d_model))
+  v = nn.unbox(StableLatentMoE(cfg).init(jax.random.PRNGKey(0), x))
+  loss = lambda p: jnp.sum(StableLatentMoE(cfg).apply({**v, "params": p}, x) ** 2)
+  return v, loss
+
+
+def test_optimizer_refuses_packed_experts_naming_them():
+  v, _ = _moe_params("mxfp4")
+  tx = optim.make_optimizer(1e-2)
+  with pytest.raises(ValueError, match=r"params/experts/w1/weight_packed: uint8 parameter "
+                     r"cannot be trained.*freeze_experts=True.*expert_format='bf16'"):
+    tx.init({"params": v["params"], "balance": v["balance"]})
+
+
+@pytest.mark.parametrize("expert_format", ["mxfp4", "bf16"])
+def test_freeze_experts_masks_them_and_trains_the_rest(expert_format):
+  """A train step (grad with allow_int, float0 → zeros, update, apply): experts bit-identical,
+  the router and latent projections move, and the frozen experts hold no optimizer state."""
+  v, loss = _moe_params(expert_format)
+  tx = optim.make_optimizer(1e-2, freeze_experts=True)
+  params = {"params": v["params"], "balance": v["balance"]}
+  state = tx.init(params)
+  n_state = sum(x.size for x in jax.tree.leaves(state))
+  n_experts = sum(x.size for x in jax.tree.leaves(v["params"]["experts"]))
+  n_rest = sum(x.size for x in jax.tree.leaves(v["params"])) - n_experts
+  assert n_state < 3 * n_rest + 100       # (Adam: 2 moments; Muon: 1) — nothing for experts
+  g = jax.grad(loss, allow_int=True)(v["params"])
+  g = optim.integer_grads_to_zeros(g)
+  assert all(x.dtype != jax.dtypes.float0 for x in jax.tree.leaves(g))
+  updates, _ = tx.update({"params": g, "balance": jax.tree.map(jnp.zeros_like, v["balance"])},
+                         state, params)
+  new = optax.apply_updates(params, updates)
+  jax.tree.map(np.testing.assert_array_equal, new["params"]["experts"], v["params"]["experts"])
+  for a, b in zip(jax.tree.leaves(new["params"]["experts"]),
+                  jax.tree.leaves(v["params"]["experts"])):
+    assert a.dtype == b.dtype
+  moved = np.abs(np.asarray(new["params"]["gate"]["kernel"] - v["params"]["gate"]["kernel"]))
+  assert moved.max() > 1e-4
+  assert np.abs(np.asarray(new["params"]["routed_expert_down_proj"]["kernel"]
+                           - v["params"]["routed_expert_down_proj"]["kernel"])).max() > 1e-4
+
+
+def test_param_label_frozen_and_integer():
+  assert optim.param_label("params/layers_1/mlp/experts/w1", (4, 8, 8), jnp.float32,
+                           freeze_experts=True) == "frozen"
+  assert optim.param_label("params/layers_1/mlp/shared_experts/gate_proj/kernel", (8, 8),
+                           jnp.float32, freeze_experts=True) == "muon"
+  with pytest.raises(ValueError, match="layers_1/mlp/experts/w2/weight_scale: uint8"):
+    optim.param_label("params/layers_1/mlp/experts/w2/weight_scale", (4, 8, 1), jnp.uint8)
