@@ -49,7 +49,8 @@ def bench_config(d: int, experts: int):
       "k3", d_model=d, num_layers=13, kda_num_heads=d // 128,
       num_heads=d // 128, q_lora_rank=d // 4, kv_lora_rank=256, dense_intermediate_size=4 * d,
       num_experts=experts, experts_per_token=8, num_shared_experts=2, moe_intermediate_size=d // 2,
-      latent_moe_dim=d // 2, attn_res_block_size=4, vocab_size=65536, num_mtp_layers=0)
+      latent_moe_dim=d // 2, attn_res_block_size=4, vocab_size=65536, num_mtp_layers=0,
+      vision=None, media_placeholder_token_id=None)
 
 
 def write_synthetic(directory: pathlib.Path, config) -> dict:

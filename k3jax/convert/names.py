@@ -439,13 +439,68 @@ def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32,
   return w.astype(dtype, copy=False)
 
 
+@functools.lru_cache(maxsize=1)
+def _mxfp4_tables() -> tuple[np.ndarray, np.ndarray]:
+  """(float32 [256, 2]: the two E2M1 values of every packed byte, low nibble first;
+  float32 [256]: the value of every E8M0 scale byte, NaN for 255), both taken from the
+  reference codec `mx.mxfp4_unpack` so that the fast decoder below is bit-identical to it."""
+  packed = np.arange(256, dtype=np.uint8).reshape(16, 16)
+  pairs = mx.mxfp4_unpack(packed, np.full((16, 1), mx.SCALE_BIAS, np.uint8)).reshape(256, 2)
+  one = np.full((256, 16), 0x22, np.uint8)               # every value 1.0 (code 2)
+  scales = mx.mxfp4_unpack(one, np.arange(256, dtype=np.uint8)[:, None])[:, 0]
+  return np.ascontiguousarray(pairs, np.float32), np.asarray(scales, np.float32)
+
+
+def decode_mxfp4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """MXFP4 packed uint8 [..., n/2] + scales uint8 [..., n/32] → float32 [..., n], bit-identical
+  to `mx.mxfp4_unpack` (a value times a power of two is exact in float32, NaN for scale byte
+  255) by two table lookups: ≈ 30× faster than the reference codec, which decodes through int32
+  codes and ldexp (0.034 s vs 1.1 s for one 3072×3584 expert matrix)."""
+  pairs, scale_values = _mxfp4_tables()
+  n = packed.shape[-1] * 2
+  if scales.shape != (*packed.shape[:-1], n // mx.BLOCK):
+    raise ValueError(f"scales: expected shape {(*packed.shape[:-1], n // mx.BLOCK)} for {n} "
+                     f"values, found {tuple(scales.shape)}")
+  # Each byte's two float32 values as one 8-byte word: a 1-D gather of uint64 is ~4× faster
+  # than gathering rows of a [256, 2] table.
+  words = pairs.view(np.uint64).reshape(256)
+  vals = words[packed].view(np.float32).reshape(*packed.shape[:-1], n // mx.BLOCK, mx.BLOCK)
+  with np.errstate(over="ignore"):   # ±inf where the reference's ldexp overflows too
+    vals *= scale_values[scales][..., None]
+  return vals.reshape(*packed.shape[:-1], n)
+
+
+TRANSPOSE_TILE = 256
+
+
+def transpose_into(dest: np.ndarray, src: np.ndarray, tile: int = TRANSPOSE_TILE) -> None:
+  """dest[...] = src.T (cast to dest.dtype) for 2-D arrays, in tiles of `tile`×`tile`: numpy
+  copies a whole transposed matrix with one strided pass that misses the cache on every source
+  row; tiles that fit in cache are about 2× faster (measured on bf16 4096×8192)."""
+  n, m = src.shape
+  if dest.shape != (m, n):
+    raise ValueError(f"transpose_into: dest {dest.shape} is not the transpose of {src.shape}")
+  if dest.dtype != src.dtype:
+    # Cast contiguously first (one fast pass), then move same-size elements: 2.2× faster than
+    # casting inside the strided tiles (float32 3072×3584 → bf16).
+    src = src.astype(dest.dtype)
+  if dest.dtype.itemsize == 2:
+    dest, src = dest.view(np.uint16), src.view(np.uint16)   # plain moves, no float casts
+  for i in range(0, n, tile):
+    for j in range(0, m, tile):
+      np.copyto(dest[j:j + tile, i:i + tile], src[i:i + tile, j:j + tile].T, casting="unsafe")
+
+
 def to_ours_into(dest: np.ndarray, leaf: Leaf, arrays: list[np.ndarray],
                  names: tuple[str, ...] = ()) -> None:
   """`to_ours` written straight into `dest` (a C-contiguous view of shape leaf.slice_shape):
-  a Linear weight [out, in] is transposed and cast in one pass, with no intermediate copy."""
+  a Linear weight [out, in] is transposed and cast in one tiled pass (`transpose_into`), an
+  MXFP4 one decoded by table lookups (`decode_mxfp4`) first; no other intermediate copy."""
   if leaf.kind == "linear" and dest.flags.c_contiguous:
-    w = mx.mxfp4_unpack(arrays[0], arrays[1], np.float32) if leaf.mx else np.asarray(arrays[0])
-    np.copyto(dest.reshape(w.shape[1], w.shape[0]), w.T, casting="unsafe")
+    w = decode_mxfp4(arrays[0], arrays[1]) if leaf.mx else np.asarray(arrays[0])
+    transpose_into(dest.reshape(w.shape[1], w.shape[0]), w)
+  elif leaf.kind in ("copy", "u8") and dest.flags.c_contiguous:
+    np.copyto(dest.reshape(-1), np.asarray(arrays[0]).reshape(-1), casting="unsafe")
   else:
     dest[...] = to_ours(leaf, arrays, dest.dtype, names)
 

@@ -182,6 +182,14 @@ def _orbax_streaming_numpy():
       super().__init__(deepcopy_host_arrays=False)
       self._locks = {}
 
+    async def serialize(self, values, infos, args=None):
+      # No zstd: weights barely compress (≈10% for bf16) and compressing was the largest
+      # single cost of a conversion (experiments/bench_convert.py, docs/notes/convert.md).
+      # The zarr metadata records it, so restore is unchanged.
+      for info in infos:   # ParamInfo objects made for this save: ours to change
+        info.use_compression = False
+      return await super().serialize(values, infos, args)
+
     async def _open_and_write(self, value, tspec, ts_context):
       loop = asyncio.get_running_loop()
       lock = self._locks.setdefault(id(loop), asyncio.Semaphore(1))
@@ -381,7 +389,7 @@ def _fill(source: Source, leaves: list[N.Leaf], variables: dict, scratch: pathli
       else:
         arr = np.empty(leaf.shape, store)
       for slot in leaf.slots:
-        raw = [source.get(n) for n in slot.names]
+        raw = [source.get(n, copy=False) for n in slot.names]   # mmap views, no copy
         N.to_ours_into(arr[slot.index], leaf, raw, slot.names)
         done += len(slot.names)
         bar.update(sum(r.nbytes for r in raw))

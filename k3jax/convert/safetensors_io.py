@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pathlib
 import struct
@@ -172,8 +173,10 @@ class Source:
   def names(self) -> list[str]:
     return sorted(self.infos)
 
-  def get(self, name: str) -> np.ndarray:
-    """Read one tensor (a fresh numpy array in its stored dtype)."""
+  def get(self, name: str, copy: bool = True) -> np.ndarray:
+    """Read one tensor in its stored dtype: a fresh array, or with copy=False a read-only
+    view of a memory map of its bytes (no copy; the pages are the page cache's, and leave this
+    process when the returned array is garbage-collected, which unmaps them)."""
     info = self.infos[name]
     if self._torch_files:
       orig = self._aliases.get(name, name)
@@ -181,6 +184,8 @@ class Source:
       if self._torch_cache is None or self._torch_cache[0] != p:
         self._torch_cache = (p, self._load_pickle(p))
       return _torch_to_numpy(self._torch_cache[1][orig])
+    if not copy:
+      return map_tensor(info)
     out = np.empty(info.shape, info.dtype)
     with open(info.file, "rb") as f:
       f.seek(info.start)
@@ -188,6 +193,19 @@ class Source:
     if n != info.nbytes:
       raise ValueError(f"{info.file}: truncated while reading {name!r}")
     return out
+
+
+def map_tensor(info: TensorInfo) -> np.ndarray:
+  """A read-only numpy view of one tensor's bytes through its own mmap of just that range
+  (page-aligned start), so that dropping the array unmaps exactly those pages."""
+  if info.nbytes == 0:
+    return np.empty(info.shape, info.dtype)
+  start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+  with open(info.file, "rb") as f:
+    m = mmap.mmap(f.fileno(), info.end - start, access=mmap.ACCESS_READ, offset=start)
+  m.madvise(mmap.MADV_SEQUENTIAL)   # read-ahead: tensors are read front to back
+  return np.frombuffer(m, info.dtype, math.prod(info.shape), info.start - start).reshape(
+      info.shape)
 
 
 def read_config(src: pathlib.Path) -> dict:
