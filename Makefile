@@ -4,8 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORKDIR ?= runs/small
+VISION_WORKDIR ?= runs/vision
 
-.PHONY: install test train bench clean
+.PHONY: install test train train-vision bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +23,12 @@ test: $(STAMP)
 
 train: $(STAMP)
 	$(BIN)/python -m experiments.train --config=configs/small.py --workdir=$(WORKDIR)
+
+# tiny_multimodal on the shapes corpus (CPU, minutes), then caption loss / word accuracy with
+# the true vs shuffled images and vision_loss.png (docs/notes/vision_training.md).
+train-vision: $(STAMP)
+	$(BIN)/python -m experiments.train --config=configs/tiny_multimodal.py --workdir=$(VISION_WORKDIR)
+	$(BIN)/python -m experiments.eval_vision --workdir=$(VISION_WORKDIR) --json=$(VISION_WORKDIR)/eval_vision.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -12,6 +12,20 @@ repeated (stop strings); --stop_token ids end generation too (default: the token
 --speculative uses MTP speculative decoding (needs an MTP layer; prints the acceptance rate).
 Tokens are streamed to stdout as they are generated; --output_json writes
 {"prompt_tokens": [...], "tokens": [... generated only], "text": "..."}.
+
+Images and videos (a multimodal checkpoint, `config.vision`; e.g. one trained with
+configs/tiny_multimodal.py):
+
+  python -m experiments.generate --checkpoint=runs/vision --image=a.png --prompt="" \
+      --max_new_tokens=40
+  python -m experiments.generate --checkpoint=runs/vision --video=f0.png,f1.png,f2.png
+
+Each --image (repeatable) and then the --video (comma-separated frames, ≤ the tower's
+max_frames) is preprocessed (`k3jax.vision.preprocess`: resized to the tower's bounds, padded
+to 28 px) into a (t, h, w) patch grid, and the prompt is
+    [BOS] [MEDIA] × (h/2)(w/2) per image/video, in order, then the prompt's tokens
+— the layout of the shapes corpus (k3jax/train/shapes.py) — prefilled in one
+`K3Model.extend(..., media=)` call; decoding is text only. --prompt may be empty with media.
 """
 
 from __future__ import annotations
@@ -37,6 +51,41 @@ _STOP_TOKEN = flags.DEFINE_multi_integer("stop_token", None, "Stop token id (rep
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Cache capacity (default prompt + new).")
 _SPEC = flags.DEFINE_bool("speculative", False, "MTP speculative decoding.")
 _OUT = flags.DEFINE_string("output_json", None, "Write prompt/generated tokens and text here.")
+_IMAGE = flags.DEFINE_multi_string("image", [], "Image file to put before the prompt "
+                                   "(repeatable; a multimodal checkpoint).")
+_VIDEO = flags.DEFINE_string("video", None, "Comma-separated frame files of one video clip, "
+                             "put after the images.")
+
+
+def media_prompt(cfg, tok, images, video, prompt_ids):
+  """(prompt ids with the media template, Media or None); see the module doc. ValueError
+  names the flag: a text-only model, an unreadable file, too many frames."""
+  if not images and not video:
+    return prompt_ids, None
+  flag = "--image" if images else "--video"
+  if cfg.vision is None:
+    raise ValueError(f"{flag}: the model has no vision tower (config.vision is None: a "
+                     f"text-only checkpoint); use a multimodal one (configs/tiny_multimodal.py)")
+  from k3jax.vision.media import media_from_pixels
+  from k3jax.vision.preprocess import preprocess
+  items = list(images) + ([[f for f in video.split(",") if f]] if video else [])
+  names = [f"--image={p}" for p in images] + ([f"--video={video}"] if video else [])
+  try:
+    pixel_values, grid = preprocess(cfg.vision, items)
+  except ValueError as e:
+    msg = str(e)
+    for i, n in enumerate(names):     # name the flag instead of preprocess's media[i]
+      msg = msg.replace(f"media[{i}]", n)
+    raise ValueError(msg) from None
+  try:
+    media = media_from_pixels(cfg.vision, pixel_values, grid)
+  except ValueError as e:
+    raise ValueError(f"{flag}: {e}") from None
+  bos = getattr(tok, "bos_id", None)
+  ids = [] if bos is None else [int(bos)]
+  for t, h, w in grid.tolist():
+    ids += [cfg.media_placeholder_token_id] * ((h // 2) * (w // 2))
+  return ids + list(prompt_ids), media
 
 
 def load_tokenizer(checkpoint: str | None, tokenizer: str | None, vocab_size: int):
@@ -78,6 +127,7 @@ def main(argv):
   cfg, variables = load_model(_CKPT.value, _PRESET.value)
   tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.vocab_size)
   ids = [int(i) for i in tok.encode(prompt)]
+  ids, media = media_prompt(cfg, tok, _IMAGE.value, _VIDEO.value, ids)
   if not ids:
     raise ValueError("--prompt: the prompt encodes to zero tokens")
   stops = tuple(_STOP_TOKEN.value) if _STOP_TOKEN.value is not None else (
@@ -95,6 +145,9 @@ def main(argv):
     sys.stdout.write(tok.decode(streamed)[len(before):])
     sys.stdout.flush()
 
+  if _SPEC.value and media is not None:
+    raise ValueError("--speculative: not supported with --image/--video (the drafts' prefill "
+                     "takes no media)")
   if _SPEC.value:
     out, stats = speculative_generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
                                       sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value)
@@ -106,7 +159,7 @@ def main(argv):
   else:
     checker_out = G.generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
                              sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value,
-                             decode=tok.decode, on_token=on_token)
+                             decode=tok.decode, on_token=on_token, media=media)
     tokens = checker_out[0]
     text = tok.decode(tokens)
     for s in sampling.stop_strings:   # the stop string and what follows are not output

@@ -8,6 +8,10 @@ decode steps), keeps the jitted functions and samples. Speculative decoding with
 
 Rows of a batch may have different lengths: every call feeds T tokens per row of which the
 first num_new[b] are real (right padding); padded tokens change no cache.
+
+Images and videos: `prefill(..., media=)` / `generate(..., media=)` (a multimodal model:
+`config.vision`); the prompts hold one placeholder per projected vision token, and the decode
+steps that follow are text only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from k3jax.cache import Cache, KDACache, MLACache
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.sampling import SamplingParams, StopChecker, sample
+from k3jax.vision.media import Media, check_placeholders
 
 
 def unbox(variables) -> dict:
@@ -37,8 +42,9 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> Cache:
 
 
 def forward(config: ModelConfig, variables, cache: Cache, tokens, num_new, *,
-            path: str = "chunked"):
-  """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`.
+            path: str = "chunked", media: Media | None = None):
+  """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
+  (a `k3jax.vision.media.Media`) fills the placeholder tokens among them.
 
   Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (before the final norm: the MTP
   input), new cache, aux). path="chunked": aux is None. path="step": the KDA layers run
@@ -48,7 +54,7 @@ def forward(config: ModelConfig, variables, cache: Cache, tokens, num_new, *,
   if path not in ("chunked", "step"):
     raise ValueError(f"path: expected 'chunked' or 'step', found {path!r}")
   model = K3Model(config.for_inference())
-  args = (variables, tokens.astype(jnp.int32), cache, num_new.astype(jnp.int32))
+  args = (variables, tokens.astype(jnp.int32), cache, num_new.astype(jnp.int32), media)
   if path == "step":
     (logits, hidden, cache), aux = model.apply(*args, method=K3Model.extend, mutable=["rewind"])
     return logits, hidden, cache, aux["rewind"]
@@ -95,10 +101,15 @@ def check_token_ids(config: ModelConfig, tokens, what: str = "tokens") -> None:
 
 
 def prefill(config: ModelConfig, variables, tokens, lengths, *, max_len: int | None = None,
-            cache: Cache | None = None, chunk: int | None = None, return_all: bool = False):
+            cache: Cache | None = None, chunk: int | None = None, return_all: bool = False,
+            media: Media | None = None):
   """Feed prompts chunk by chunk of `chunk` tokens (default min(T, 512)).
 
   Every chunk has the same shape (the last one is padded), so one compilation serves all.
+  `media`: the prompts' images/videos (`k3jax.vision.media.Media`), one projected token per
+  `config.media_placeholder_token_id` in the prompts, in order (row-major over [B, T]); the
+  prompts then go in as one chunk (the placeholders are matched within one `extend` call), and
+  the count is checked here (`check_placeholders`) since the jitted forward cannot.
 
   tokens: [B,T] int, row b's prompt in its first lengths[b] entries (right padding).
   max_len: cache capacity (default T) when `cache` is None; with `cache`, the prompts are
@@ -123,6 +134,13 @@ def prefill(config: ModelConfig, variables, tokens, lengths, *, max_len: int | N
   if (have + lengths > cache.max_len).any():
     raise ValueError(f"tokens: prompt of {(have + lengths).max()} tokens (with the cached "
                      f"prefix) exceeds the cache capacity max_len={cache.max_len}")
+  if media is not None:
+    if config.vision is None:
+      raise ValueError("media: the model has no vision tower (config.vision is None: a "
+                       "text-only model)")
+    real = np.concatenate([tokens[i, :lengths[i]] for i in range(b)])[None]
+    check_placeholders(real, media, config.media_placeholder_token_id, "prefill")
+    chunk = t
   fwd = _jitted(config, "chunked")
   chunk = chunk or min(t, 512)
   outs, last = [], None
@@ -131,7 +149,8 @@ def prefill(config: ModelConfig, variables, tokens, lengths, *, max_len: int | N
     n = np.clip(lengths - s, 0, part.shape[1]).astype(np.int32)
     if part.shape[1] < chunk:   # one compiled shape for every chunk (the tail is padded)
       part = np.pad(part, ((0, 0), (0, chunk - part.shape[1])))
-    logits, hidden, cache, _ = fwd(variables, cache, jnp.asarray(part), jnp.asarray(n))
+    logits, hidden, cache, _ = fwd(variables, cache, jnp.asarray(part), jnp.asarray(n),
+                                   media=media)
     if return_all:
       outs.append((logits[:, :min(chunk, t - s)], hidden[:, :min(chunk, t - s)]))
     else:
@@ -171,8 +190,10 @@ def padded_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.nda
 def generate(config: ModelConfig, variables, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
              max_len: int | None = None, decode: Callable | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-  """Sample continuations of a batch of prompts (different lengths allowed).
+             on_token: Callable[[int, int], None] | None = None,
+             media: Media | None = None) -> list[list[int]]:
+  """Sample continuations of a batch of prompts (different lengths allowed); `media` fills
+  the prompts' placeholder tokens at prefill (`prefill`).
 
   Returns the generated tokens of each prompt (without stop tokens). `on_token(row, token)` is
   called for every emitted token (streaming). `decode` (ids → text) is needed for stop strings.
@@ -189,7 +210,7 @@ def generate(config: ModelConfig, variables, prompts: Sequence[Sequence[int]], *
   if max_new_tokens == 0:
     return [[] for _ in prompts]
   variables = unbox(variables)
-  logits, cache = prefill(config, variables, toks, lengths, max_len=max_len)
+  logits, cache = prefill(config, variables, toks, lengths, max_len=max_len, media=media)
   key = jax.random.PRNGKey(seed)
   for step in range(max_new_tokens):
     key, sub = jax.random.split(key)
