@@ -15,6 +15,14 @@ parameters (`vision_tower/*`) and the projector's (`mm_projector/*`) are reporte
 `--vision_preset none` drops the tower, another `k3jax.vision` preset replaces it (its
 projector width set to the text model's d_model). k3: tower 401.21M (spec §11: 401M),
 projector 46.14M (4096² + 4096·7168 + 7168 post-norm), 447.36M in all.
+
+bytes: the text model's weight bytes (the `total` above) per expert format —
+{"bf16": 2 bytes per parameter, "mxfp4": routed experts at 4.25 bits per weight (a 4-bit E2M1
+code + one E8M0 byte per 32) and everything else at 2 bytes, "routed_experts": {"bf16",
+"mxfp4"}}. Counts always describe the unquantised model, whatever `expert_format` the config
+has. (The release also keeps a few vectors in fp32 — A_log, dt_bias, conv kernels: ~10M
+parameters for k3 — which this 2-byte figure rounds away.) k3: 5.559 TB in bf16, 1.560 TB with
+MXFP4 experts (experts 5.4455 TB → 1.4465 TB; the release is 1.56 TB with its vision tower).
 """
 
 from __future__ import annotations
@@ -65,6 +73,8 @@ def count_params(config) -> dict:
 
   from k3jax.model import K3Model
 
+  if getattr(config, "expert_format", "bf16") != "bf16":   # count weights, not packed bytes
+    config = config.replace(expert_format="bf16")
   shapes = nn.unbox(jax.eval_shape(K3Model(config).init, jax.random.key(0),
                                    jnp.zeros((1, 2), jnp.int32)))
   frac = config.experts_per_token / config.num_experts if config.num_experts else 0.0
@@ -102,6 +112,11 @@ def count_params(config) -> dict:
       "router_bias": bias,
       "components": comps,
   }
+  routed = comps["routed_experts"]["total"]
+  # MXFP4: 4 bits a weight + one scale byte per 32 weights = 17/32 bytes (a multiple of 32
+  # weights per expert matrix row, so the division is exact).
+  out["bytes"] = {"bf16": 2 * out["total"], "mxfp4": 2 * (out["total"] - routed) + routed * 17 // 32,
+                  "routed_experts": {"bf16": 2 * routed, "mxfp4": routed * 17 // 32}}
   if config.vision is not None:
     def n(tree):
       return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
@@ -146,6 +161,11 @@ def format_table(counts: dict) -> str:
   lines.append(f"{'TOTAL':<20}{_fmt(counts['total']):>16}{_fmt(counts['activated']):>16}")
   lines.append(f"(excluded) mtp {_fmt(counts['mtp'])}, router bias (not a parameter) "
                f"{_fmt(counts['router_bias'])}")
+  if "bytes" in counts:
+    b = counts["bytes"]
+    lines.append(f"bytes: bf16 {_fmt(b['bf16'])}B, mxfp4 experts {_fmt(b['mxfp4'])}B (routed "
+                 f"experts {_fmt(b['routed_experts']['bf16'])}B → "
+                 f"{_fmt(b['routed_experts']['mxfp4'])}B)")
   if "vision" in counts:
     v = counts["vision"]
     lines.append(f"(separate) vision {v['preset']}: tower {_fmt(v['tower'])}, projector "

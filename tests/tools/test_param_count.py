@@ -106,3 +106,30 @@ def test_importing_registers_no_flags():
   import experiments.generate  # noqa: F401  (defines --preset)
   import tools.param_count  # noqa: F401
   assert "vision_preset" not in flags.FLAGS
+
+
+def test_bytes_per_expert_format():
+  """mxfp4 bytes = the packed model's actual leaf bytes for the experts (4.25 bits a weight);
+  counts are those of the unquantised model whatever the config's expert_format."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from k3jax.model import K3Model
+  cfg = preset("tiny", expert_format="mxfp4")
+  c = count_params(cfg)
+  assert c == count_params(cfg.replace(expert_format="bf16"))
+  routed = c["components"]["routed_experts"]["total"]
+  b = c["bytes"]
+  assert b["bf16"] == 2 * c["total"]
+  assert b["routed_experts"] == {"bf16": 2 * routed, "mxfp4": routed * 4.25 / 8}
+  assert b["mxfp4"] == 2 * (c["total"] - routed) + routed * 4.25 / 8
+  shapes = nn.unbox(jax.eval_shape(K3Model(cfg).init, jax.random.key(0),
+                                   jnp.zeros((1, 2), jnp.int32)))
+  packed_bytes = sum(x.size * x.dtype.itemsize for p, x in
+                     jax.tree_util.tree_leaves_with_path(shapes["params"])
+                     if "weight_packed" in jax.tree_util.keystr(p) or
+                     "weight_scale" in jax.tree_util.keystr(p))
+  mtp_packed = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(
+      shapes["params"].get("mtp", {})) if x.dtype == jnp.uint8)
+  assert packed_bytes - mtp_packed == b["routed_experts"]["mxfp4"]
