@@ -23,6 +23,14 @@ plan (arguments = the state shard + the batch shard, outputs, temporaries).
 Part "state": per-device bytes of params + optimizer state from the shardings alone
 (AbstractMesh; no compile).
 
+Part "inference": the model's cached forward (`k3jax.generate.forward`: one decode step of
+--inf_tokens tokens per sequence over a cache of --inf_max_len, --inf_batch sequences) of k3
+with **packed MXFP4 experts** (`expert_format="mxfp4"`, kernels and compute in bf16), lowered
+from abstract values and compiled deviceless for a v5p slice like part "memory"; the cache is
+donated. `INFERENCE_RECIPES` holds the slices tried (chips → layout, topology); with
+--devices 0 every recipe is compiled and the smallest slice whose peak fits the chip's HBM is
+reported ("smallest_fit"). Experts over `expert`, every other weight over fsdp+expert.
+
 Part "ep": on N simulated CPU devices (--ep_devices, default 8), the `small` preset's jitted
 train step with experts sharded over `expert` (all_to_all dispatch) vs. the same step with
 experts replicated and the batch split over `data`; one layout per subprocess
@@ -38,6 +46,8 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part memory --preset tiny --devices 4
       --layout fsdp=2,expert=2 --topology v5p:2x2x1 --seq_len 64      # a few CPU-minutes
   .venv/bin/python experiments/bench_sharding.py --part ep --ep_devices 4 --steps 5
+  .venv/bin/python experiments/bench_sharding.py --part inference          # k3, packed experts
+  .venv/bin/python experiments/bench_sharding.py --part inference --devices 32 --num_layers 9
   --out FILE writes the JSON object too; the last printed line is that JSON.
 """
 
@@ -67,6 +77,14 @@ DEFAULTS = dict(param_dtype="float32", mu_dtype="", offload_momentum=False, seq_
 LAYOUTS = {n: r["layout"] for n, r in RECIPES.items()}
 # TPU v5p slices (95 GiB HBM per chip) with those chip counts, for --target tpu.
 TOPOLOGIES = {256: "v5p:8x8x4", 2048: "v5p:16x16x8"}
+# Inference with packed MXFP4 experts (1.56 TB of text weights: ≥ 16 chips of 95 GiB for the
+# weights alone): experts over `expert`, the rest of the weights over fsdp+expert too.
+INFERENCE_RECIPES = {
+    16: dict(layout=dict(data=1, fsdp=1, expert=16, context=1, tensor=1), topology="v5p:2x2x4"),
+    32: dict(layout=dict(data=1, fsdp=1, expert=32, context=1, tensor=1), topology="v5p:2x4x4"),
+    64: dict(layout=dict(data=1, fsdp=1, expert=64, context=1, tensor=1), topology="v5p:4x4x4"),
+}
+V5P_HBM_GIB = 95.0
 # Parameters sharded over fsdp AND expert (dense weights too), fallbacks to fsdp alone.
 PARAM_AXES = ("fsdp", "expert")
 LIBTPU_MISSING = (
@@ -188,6 +206,80 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
       host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) / gib)
 
 
+def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
+                   target: str = "tpu", topology: str | None = None, preset_name: str = "k3",
+                   num_layers: int | None = None, layout: dict | None = None) -> dict:
+  """Compiled per-device memory of one cached forward of the packed-expert model (module doc)."""
+  import functools
+
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from k3jax import generate, sharding
+  from k3jax.config import preset
+  from k3jax.model import K3Model
+
+  recipe = INFERENCE_RECIPES.get(num_devices, {})
+  layout = dict(layout or recipe["layout"])
+  if target == "tpu":
+    topology = topology or recipe["topology"]
+    devices = tpu_devices(topology, num_devices)
+  else:
+    devices = jax.devices()
+  mesh = sharding.make_mesh(layout, devices=devices)
+  over = dict(dtype="bfloat16", param_dtype="bfloat16", scan_layers=True, remat=False,
+              kernel_backend="xla", expert_format="mxfp4", moe_capacity_factor=None)
+  if num_layers:
+    over["num_layers"] = num_layers
+  config = preset(preset_name, **over)
+  rules = sharding.axis_rules(param_axes=PARAM_AXES)
+  t0 = time.perf_counter()
+  abstract = jax.eval_shape(K3Model(config).init, jax.random.key(0),
+                            jnp.zeros((1, 2), jnp.int32))
+  p_sh = sharding.param_shardings(mesh, abstract, rules)
+  shapes = nn.unbox(abstract)
+  variables = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                           shapes, p_sh)
+  cache = jax.eval_shape(lambda: generate.init_cache(config, batch, max_len))
+  c_sh = sharding.cache_shardings(mesh, cache, batch)
+  cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       cache, c_sh)
+  tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32,
+                             sharding=sharding.batch_sharding(mesh, 2, context=False))
+  num_new = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding.batch_sharding(mesh, 1))
+  # keep_unused: the MTP and vision weights are resident too, though a text decode step
+  # does not read them.
+  fn = jax.jit(functools.partial(generate.forward, config), donate_argnums=(1,),
+               keep_unused=True)
+  with jax.set_mesh(mesh):
+    lowered = fn.lower(variables, cache, tok, num_new)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  ma = compiled.memory_analysis()
+  gib = 2.0 ** 30
+  peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+          + ma.temp_size_in_bytes)
+  leaves = jax.tree_util.tree_leaves_with_path(shapes["params"])
+  expert_bytes = sum(x.size * x.dtype.itemsize for p, x in leaves
+                     if "weight_packed" in jax.tree_util.keystr(p)
+                     or "weight_scale" in jax.tree_util.keystr(p))
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  return dict(
+      part="inference", target=target, topology=topology if target == "tpu" else None,
+      device_kind=getattr(devices[0], "device_kind", str(devices[0].platform)),
+      devices=num_devices, layout={a: int(n) for a, n in mesh.shape.items()},
+      preset=preset_name, num_layers=config.num_layers, expert_format=config.expert_format,
+      batch=batch, max_len=max_len, tokens=tokens,
+      weights_gib_total=param_bytes / gib, packed_expert_gib_total=expert_bytes / gib,
+      weights_gib_per_device=_shard_gib(shapes, p_sh),
+      cache_gib_per_device=_shard_gib(cache, c_sh),
+      argument_gib=ma.argument_size_in_bytes / gib, output_gib=ma.output_size_in_bytes / gib,
+      alias_gib=ma.alias_size_in_bytes / gib, temp_gib=ma.temp_size_in_bytes / gib,
+      peak_gib=peak / gib, fits=peak / gib <= V5P_HBM_GIB, lower_s=t1 - t0, compile_s=t2 - t1)
+
+
 def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
                offload_momentum: bool = False) -> dict:
   """Per-device bytes of the training state (params + optimizer state + router bias) under the
@@ -301,6 +393,22 @@ def _print(r: dict) -> None:
       print(f"  host memory per device: arguments {r['host_argument_gib']:.2f} GiB, temporaries "
             f"{r['host_temp_gib']:.2f} GiB")
 
+  elif r["part"] == "inference" and r.get("error"):
+    print(f"k3 inference (packed experts), {r['devices']} chips on {r['topology']}: XLA refused "
+          f"to compile: {r['error']}")
+  elif r["part"] == "inference":
+    print(f"{r['preset']} inference ({r['num_layers']} layers, experts {r['expert_format']}), "
+          f"{r['devices']} chips on {r['topology'] or 'CPU'}, layout {r['layout']}, batch "
+          f"{r['batch']} x {r['tokens']} new tokens over a {r['max_len']}-token cache: weights "
+          f"{r['weights_gib_total']:.0f} GiB in all (packed experts "
+          f"{r['packed_expert_gib_total']:.0f}), per chip: weights "
+          f"{r['weights_gib_per_device']:.2f} GiB, cache {r['cache_gib_per_device']:.2f} GiB, "
+          f"temporaries {r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB "
+          f"({'fits' if r['fits'] else 'does not fit'} {V5P_HBM_GIB:.0f} GiB; compile "
+          f"{r['compile_s']:.0f} s)")
+  elif r["part"] == "inference_summary":
+    print(f"smallest slice tried that holds the packed-expert inference step: "
+          f"{r['smallest_fit'] or 'none of ' + str(r['tried'])} chips")
   elif r["part"] == "state":
     print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
           f"{'+'.join(r['param_axes'])}, kernels {r['param_dtype']}, first moments "
@@ -331,7 +439,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   define --preset, --steps or --out.
   """
   fv = dict(flag_values=flag_values)
-  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep"], "what to measure", **fv)
+  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference"],
+                    "what to measure ('all' = memory + state + ep)", **fv)
+  flags.DEFINE_integer("inf_batch", 64, "inference part: sequences", **fv)
+  flags.DEFINE_integer("inf_max_len", 8192, "inference part: cache capacity in tokens", **fv)
+  flags.DEFINE_integer("inf_tokens", 1, "inference part: new tokens per sequence (1 = a "
+                       "decode step)", **fv)
   flags.DEFINE_integer("devices", 0, "memory/state: 256 or 2048 (default both)", **fv)
   flags.DEFINE_enum("target", "tpu", ["tpu", "cpu"], "memory part: deviceless TPU AOT (needs "
                     "libtpu) or simulated CPU devices", **fv)
@@ -382,7 +495,7 @@ def run(a: flags.FlagValues) -> None:
   layout = parse_layout(a.layout) if a.layout else None
   if a.part in ("all", "memory") and not a.devices and (layout or a.topology):
     raise app.UsageError("--layout / --topology need --devices")
-  if (a.part in ("all", "memory") and a.target == "tpu"
+  if (a.part in ("all", "memory", "inference") and a.target == "tpu"
       and importlib.util.find_spec("libtpu") is None):
     raise app.UsageError(LIBTPU_MISSING)
 
@@ -396,7 +509,11 @@ def run(a: flags.FlagValues) -> None:
     return RECIPES.get(n, {}).get(field, DEFAULTS[field])
 
   if a.child:  # inside a subprocess with the right (simulated) devices
-    if a.part == "memory":
+    if a.part == "inference":
+      res = inference_part(a.devices, batch=a.inf_batch, max_len=a.inf_max_len,
+                           tokens=a.inf_tokens, target=a.target, topology=a.topology,
+                           preset_name=a.preset, num_layers=a.num_layers or None, layout=layout)
+    elif a.part == "memory":
       res = memory_part(a.devices, recipe(a.devices, "seq_len"), a.per_device_batch,
                         target=a.target, topology=a.topology, preset_name=a.preset,
                         num_layers=a.num_layers or None, layout=layout,
@@ -439,6 +556,28 @@ def run(a: flags.FlagValues) -> None:
                             param_dtype=recipe(n, "param_dtype"),
                             mu_dtype=recipe(n, "mu_dtype") or "params",
                             offload_momentum=recipe(n, "offload_momentum"), error=msg))
+  if a.part == "inference":
+    fits = []
+    for n in ([a.devices] if a.devices else sorted(INFERENCE_RECIPES)):
+      args = ["--part", "inference", "--devices", str(n), "--target", a.target, "--preset",
+              a.preset, "--num_layers", str(a.num_layers), "--inf_batch", str(a.inf_batch),
+              "--inf_max_len", str(a.inf_max_len), "--inf_tokens", str(a.inf_tokens)]
+      args += ["--topology", a.topology] if a.topology else []
+      args += ["--layout", a.layout] if a.layout else []
+      try:
+        r = _subprocess(args, n if a.target == "cpu" else None)
+      except RuntimeError as e:
+        if a.target != "tpu" or "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        msg = [l for l in str(e).splitlines() if "RESOURCE_EXHAUSTED" in l][-1].strip()
+        r = dict(part="inference", devices=n, error=msg, fits=False,
+                 topology=a.topology or INFERENCE_RECIPES.get(n, {}).get("topology"))
+      results.append(r)
+      if r["fits"]:
+        fits.append(n)
+    results.append(dict(part="inference_summary", tried=[r["devices"] for r in results
+                                                         if r["part"] == "inference"],
+                        smallest_fit=min(fits) if fits else None))
   if a.part in ("all", "ep"):
     rows = [_subprocess(["--part", "ep", "--ep_layout", key, "--steps", str(a.steps),
                          "--ep_batch", str(a.ep_batch), "--ep_seq_len", str(a.ep_seq_len),
