@@ -2,6 +2,7 @@
 
   python -m experiments.bench_convert                 # table
   python -m experiments.bench_convert --json          # table, then ONE JSON object last
+  python -m experiments.bench_convert --expert_format mxfp4   # experts kept packed
 
 The checkpoint has K3's structure (AttnRes, KDA with full-rank gates and bounded decay, gated
 MLA, latent MoE with MXFP4 experts, fp32 vectors, A_log padded to 128, `language_model.` prefix,
@@ -12,7 +13,8 @@ cheap; repeats are longer than a compressor's window).
 
 The conversion runs in a child process (what `tools/convert_from_pytorch.py` does); the parent
 samples its /proc status (RSS split into anonymous and file-backed pages) and reads its peak
-RSS (ru_maxrss) at exit. Goal: peak RSS ≤ 2 × largest tensor + 1 GiB.
+RSS (ru_maxrss) at exit. Goal: peak RSS ≤ 2 × largest tensor + 1 GiB. Before converting it
+reads every source file once (`read_rate`) as the reference throughput of the same run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "converter --dty
 flags.DEFINE_integer("d_model", 2048, "hidden size of the synthetic config")
 flags.DEFINE_integer("num_experts", 40, "routed experts per MoE layer")
 flags.DEFINE_bool("keep", False, "keep the synthetic checkpoint and the output")
+flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
+                  "converter target for routed experts (mxfp4: kept packed; needs a model that "
+                  "builds ModelConfig.expert_format='mxfp4')")
 
 GiB = 1 << 30
 
@@ -124,15 +129,31 @@ from k3jax.convert import convert
 def log(msg):
   # peak RSS so far, at each phase boundary of the converter (the last one: before orbax)
   print(f"PHASE {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss} {msg}", file=sys.stderr)
-convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False, log=log)
+kw = {"expert_format": "mxfp4"} if sys.argv[4] == "mxfp4" else {}
+convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3], progress=False, log=log, **kw)
 """
 
 
-def run_convert(src: pathlib.Path, dst: pathlib.Path, dtype: str) -> dict:
+def read_rate(src: pathlib.Path) -> float:
+  """Bytes per second of reading every source file once with 64 MiB reads, measured in the
+  same run just before the conversion (the files were just written, so mostly from the page
+  cache: the ceiling for a converter that reads each byte once)."""
+  buf = bytearray(64 << 20)
+  total, t0 = 0, time.perf_counter()
+  for p in sorted(src.glob("*.safetensors")):
+    with open(p, "rb", buffering=0) as f:
+      while n := f.readinto(buf):
+        total += n
+  return total / (time.perf_counter() - t0)
+
+
+def run_convert(src: pathlib.Path, dst: pathlib.Path, dtype: str,
+                expert_format: str = "bf16") -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   t0 = time.perf_counter()
   with tempfile.TemporaryFile("w+") as err:
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), dtype], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), dtype,
+                             expert_format], env=env,
                             stderr=err)
     peak = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
     while True:
@@ -170,7 +191,8 @@ def main(argv):
     t0 = time.perf_counter()
     info = write_synthetic(src, config)
     gen_s = time.perf_counter() - t0
-    res = run_convert(src, dst, FLAGS.dtype)
+    read_bps = read_rate(src)
+    res = run_convert(src, dst, FLAGS.dtype, FLAGS.expert_format)
     out_bytes = _du(dst)
   finally:
     if not FLAGS.keep:
@@ -185,7 +207,8 @@ def main(argv):
       ("largest tensor", f"{largest / 2**20:.0f} MiB"),
       ("output (orbax)", f"{out_bytes / GiB:.2f} GiB ({FLAGS.dtype} matmul weights)"),
       ("conversion time", f"{res['seconds']:.1f} s wall, {res['cpu_seconds']:.1f} s CPU"),
-      ("throughput", f"{mbps:.1f} MB/s of source"),
+      ("throughput", f"{mbps:.1f} MB/s of source (experts: {FLAGS.expert_format})"),
+      ("source read rate", f"{read_bps / 1e6:.0f} MB/s (64 MiB reads, same run)"),
       ("peak RSS (ru_maxrss)", f"{res['peak_rss_bytes'] / GiB:.2f} GiB"),
       ("  read+decode phase", f"{res['peak_rss_before_orbax_save_bytes'] / GiB:.2f} GiB "
                               "(peak before the orbax save starts)"),
@@ -201,7 +224,8 @@ def main(argv):
   if FLAGS.json:
     print(json.dumps({"source_bytes": info["bytes"], "tensors": info["tensors"],
                       "largest_tensor_bytes": largest, "output_bytes": out_bytes,
-                      "dtype": FLAGS.dtype, **res, "mb_per_s": mbps, "goal_bytes": goal,
+                      "dtype": FLAGS.dtype, "expert_format": FLAGS.expert_format, **res,
+                      "mb_per_s": mbps, "read_mb_per_s": read_bps / 1e6, "goal_bytes": goal,
                       "goal_met": res["peak_rss_bytes"] <= goal, "loadavg_1min": load}))
 
 

@@ -14,6 +14,7 @@ and their bytes.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from absl import app, flags
@@ -48,12 +49,17 @@ def names_for(config, arch=None, expert_format=None, dtype="bfloat16", text_pref
                        store)
 
 
+def format_line(name: str, dtype, shape) -> str:
+  """One output line: `name<TAB>[d0, d1, …]<TAB>DTYPE` (safetensors dtype name)."""
+  from k3jax.convert.safetensors_io import DTYPE_NAMES
+  return f"{name}\t{list(shape)}\t{DTYPE_NAMES[dtype]}"
+
+
 def main(argv):
   del argv
   import json
   import pathlib
 
-  from k3jax.convert.safetensors_io import DTYPE_NAMES
   if (FLAGS.preset is None) == (FLAGS.config_json is None):
     raise app.UsageError("pass exactly one of --preset and --config_json")
   if FLAGS.preset:
@@ -68,8 +74,11 @@ def main(argv):
     nbytes = sum(math.prod(s) * d.itemsize for _, d, s in plan)
     print(f"{len(plan)} tensors, {nbytes} bytes ({nbytes / 1e12:.3f} TB)")
     return
-  out = sys.stdout
-  out.writelines(f"{n}\t{list(s)}\t{DTYPE_NAMES[d]}\n" for n, d, s in plan)
+  try:
+    sys.stdout.writelines(format_line(*e) + "\n" for e in plan)
+    sys.stdout.flush()
+  except BrokenPipeError:   # `… | head`: the reader is gone; stop quietly
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

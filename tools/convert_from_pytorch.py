@@ -3,7 +3,7 @@
   python -m tools.convert_from_pytorch --src HF_DIR --dst OUT_DIR \
       [--arch auto|kimi_linear|kimi_k3|kimi_k25] [--only all|vision] [--dtype float32|bfloat16] \
       [--allow_torch_pickle] [--skip_prefix PREFIX ...] [--check_only] [--mtp_seed 0] \
-      [--expert_format bf16|mxfp4]
+      [--expert_format bf16|mxfp4] [--drop_mtp]
 
 HF_DIR holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json. OUT_DIR must not exist; it appears only when the conversion is
@@ -20,7 +20,8 @@ the config does not use is an error naming it; --skip_prefix (repeatable or comm
 names prefixes to leave out (`--skip_prefix vision_tower.,mm_projector.` converts the text
 model of a multimodal release alone). The release has no MTP tensors: a config with an MTP
 layer gets one initialised as K3Model.init does (--mtp_seed), reported here and in
-OUT_DIR/conversion.json; an export written with --mtp carries it under `k3jax_mtp.*`.
+OUT_DIR/conversion.json (--drop_mtp converts without it); an export written with --mtp
+carries it under `k3jax_mtp.*`.
 
 --check_only reads config.json, the index and every shard's header (no tensor data) and
 reports every missing, unexpected, mis-shaped and mis-typed tensor (exit status 1), or a
@@ -52,6 +53,8 @@ flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
                   "routed experts of the result: bf16 (MXFP4 decoded to --dtype) or mxfp4 "
                   "(the release's bytes kept packed: ModelConfig.expert_format='mxfp4')")
 flags.DEFINE_integer("mtp_seed", 0, "seed of the fresh MTP layer when the source has none")
+flags.DEFINE_bool("drop_mtp", False, "convert without the config's MTP layer (num_mtp_layers=0) "
+                  "instead of initialising a fresh one")
 flags.mark_flags_as_required(["src"])
 
 
@@ -68,7 +71,7 @@ def main(argv):
     out = convert(FLAGS.src, FLAGS.dst, arch=FLAGS.arch, dtype=FLAGS.dtype,
                   allow_torch_pickle=FLAGS.allow_torch_pickle, progress=FLAGS.progress,
                   only=FLAGS.only, skip_prefix=FLAGS.skip_prefix, check_only=FLAGS.check_only,
-                  mtp_seed=FLAGS.mtp_seed,
+                  mtp_seed=FLAGS.mtp_seed, **({"num_mtp_layers": 0} if FLAGS.drop_mtp else {}),
                   **({"expert_format": "mxfp4"} if FLAGS.expert_format == "mxfp4" else {}))
   except ValueError as e:
     if not FLAGS.check_only:

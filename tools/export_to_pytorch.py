@@ -1,8 +1,8 @@
 """Export a k3jax checkpoint to the PyTorch layout (sharded safetensors + index + config.json).
 
   python -m tools.export_to_pytorch --src CKPT --dst OUT_DIR [--arch kimi_linear|kimi_k3] \
-      [--expert_format mxfp4|bf16] [--dtype bfloat16|float32] [--max_shard_gb 4] [--only all|vision] \
-      [--text_prefix auto|language_model|bare] [--mtp]
+      [--expert_format mxfp4|bf16] [--dtype bfloat16|float32] [--max_shard_gb 4] \
+      [--only all|vision] [--text_prefix auto|language_model|bare] [--mtp]
 
 CKPT is anything `k3jax.load_pretrained` accepts, or what `convert_from_pytorch --only vision`
 wrote (then only the vision tower + projector are written). A config with a vision tower also

@@ -308,5 +308,5 @@ def write_file(path: str | os.PathLike, tensors: dict[str, np.ndarray],
       f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
-__all__ = ["Source", "ShardedWriter", "read_header", "read_config", "write_file", "TensorInfo", "DTYPES",
-           "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["Source", "ShardedWriter", "read_header", "read_config", "write_file", "map_tensor",
+           "TensorInfo", "DTYPES", "INDEX_NAME", "SINGLE_NAME"]

@@ -1,14 +1,12 @@
 """The release layout (K3_SPEC.md §12) both ways: `language_model.model.*` and bare `model.*`
 text names, no MTP tensors (a fresh MTP layer, reported), the nested config.json with its
 quantization_config (validated), A_log's zero padding (checked), unknown names refused unless
-under a --skip_prefix, packed MXFP4 experts kept packed, and the name listing of
-tools/checkpoint_names (497,220 entries for k3)."""
+under a --skip_prefix, packed MXFP4 experts kept packed. The name listing:
+test_checkpoint_names.py; --check_only: test_check_only.py."""
 
 import json
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -20,12 +18,10 @@ from k3jax.config import preset
 from k3jax.convert import convert, export
 from k3jax.convert import names as N
 from k3jax.convert import pipeline
-from k3jax.convert.safetensors_io import DTYPE_NAMES, Source, write_file
+from k3jax.convert.safetensors_io import Source, write_file
 from k3jax.quant import mx
 from k3jax.train.checkpoint import load_pretrained
-from tools.checkpoint_names import names_for
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 L0 = "layers.0.self_attn."   # a KDA layer
 
 
@@ -53,13 +49,19 @@ def tiny():
   return config, random_variables(config, seed=4)
 
 
+@pytest.fixture(scope="module")
+def fresh(tiny):
+  """The MTP layer K3Model.init makes for `tiny` with seed 0 (flat, keyed without 'mtp')."""
+  return dict(_flat(pipeline.fresh_mtp(tiny[0], 0)))
+
+
 def _logs():
   lines = []
   return lines, dict(progress=False, log=lines.append)
 
 
 @pytest.mark.parametrize("prefix", ["language_model.", ""])
-def test_release_layout_round_trip_and_fresh_mtp(tiny, tmp_path, prefix):
+def test_release_layout_round_trip_and_fresh_mtp(tiny, fresh, tmp_path, prefix):
   config, variables = tiny
   src = tmp_path / "src"
   tensors = write_k3_checkpoint(src, config, variables, text_prefix=prefix)
@@ -83,9 +85,9 @@ def test_release_layout_round_trip_and_fresh_mtp(tiny, tmp_path, prefix):
   for k in rest:
     np.testing.assert_array_equal(rest[k], want_rest[k], err_msg="/".join(k))
   # the MTP layer is K3Model.init's, not the (unavailable) original
-  fresh = dict(_flat(pipeline.fresh_mtp(config, 0), ("x",)))
+  assert sorted(fresh) == sorted(k[:1] + k[2:] for k in mtp)
   for k, v in mtp.items():
-    np.testing.assert_array_equal(v, fresh[("x", k[0]) + k[2:]], err_msg="/".join(k))
+    np.testing.assert_array_equal(v, fresh[k[:1] + k[2:]], err_msg="/".join(k))
   assert any(not np.array_equal(v, want_mtp[k]) for k, v in mtp.items())
 
   # export in the same spelling gives the source back bit for bit, without MTP tensors
@@ -265,39 +267,3 @@ def test_packed_experts_stay_packed(tiny, tmp_path, monkeypatch):
     if ".experts." in n:
       np.testing.assert_array_equal(out.get(n), source.get(n), err_msg=n)
   assert sorted(out.names()) == sorted(source.names())
-
-
-# ---------------------------------------------------------------------- names listing
-def test_checkpoint_names_equal_what_export_writes(tmp_path):
-  config = preset("tiny_multimodal")
-  variables = random_variables(config, seed=5)
-  back = export(None, tmp_path / "mm", loaded=(config, variables), progress=False,
-                log=lambda s: None)
-  infos = Source(back).infos
-  listed = names_for(config)
-  assert [n for n, _, _ in listed] == sorted(infos, key=N._natural_key)
-  for n, dt, shape in listed:
-    assert (infos[n].dtype, infos[n].shape) == (dt, shape), n
-  assert listed[0][0].startswith("language_model.")     # vision tower → multimodal spelling
-  r = subprocess.run([sys.executable, "-m", "tools.checkpoint_names", "--preset",
-                      "tiny_multimodal"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr[-2000:]
-  assert r.stdout.splitlines() == [f"{n}\t{list(s)}\t{DTYPE_NAMES[d]}" for n, d, s in listed]
-
-
-def test_checkpoint_names_k3_count():
-  """The release: 497,220 entries (§12), 1.562 TB; listing the names allocates nothing."""
-  r = subprocess.run([sys.executable, "-m", "tools.checkpoint_names", "--preset", "k3"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert r.returncode == 0, r.stderr[-2000:]
-  lines = r.stdout.splitlines()
-  assert len(lines) == 497_220
-  assert sum(l.endswith("\tU8") for l in lines) == 92 * 896 * 3 * 2
-  assert sum(l.startswith(("vision_tower.", "mm_projector.")) for l in lines) == 168
-  assert not [l for l in lines if "mtp" in l]
-  assert "language_model.model.layers.0.self_attn.A_log\t[128]\tF32" in lines
-  assert ("language_model.model.layers.91.block_sparse_moe.experts.895.w2.weight_scale\t"
-          "[3584, 96]\tU8") in lines
-  total = sum(int(np.prod(json.loads(l.split("\t")[1]))) * {"BF16": 2, "F32": 4, "U8": 1}[
-      l.split("\t")[2]] for l in lines)
-  assert total == 1_562_050_870_272
