@@ -76,7 +76,7 @@ def test_release_layout_round_trip_and_fresh_mtp(tiny, fresh, tmp_path, prefix):
       "K3Model.init does (seed 0)"]
   meta = json.loads((dst / "conversion.json").read_text())
   assert meta["mtp"] == "fresh" and meta["text_prefix"] == prefix + "model."
-  assert meta["tensors"] == len(tensors)
+  assert meta["tensors"] == len(tensors) and meta["skipped_tensors"] == 0
   got_config, got = load_pretrained(dst)
   assert got_config.replace(name=config.name) == config
   rest, mtp = _split_mtp(jax.tree.map(np.asarray, got))
@@ -172,7 +172,6 @@ def test_nonzero_a_log_padding_is_refused(tiny, tmp_path):
 
 
 def test_unknown_names_are_errors_unless_skipped(tiny, tmp_path):
-  config, variables = tiny
   def add(t):
     t["vision_tower.extra.weight"] = np.zeros(3, np.float32)
     t["optimizer.step"] = np.zeros(1, np.float32)
@@ -181,11 +180,13 @@ def test_unknown_names_are_errors_unless_skipped(tiny, tmp_path):
                 r"vision_tower\.extra\.weight")
   _expect_error(d, tmp_path, r"(?s)1 unexpected tensor\(s\).*\n  optimizer\.step",
                 skip_prefix=["vision_tower."])
+  # (check_only runs the same skipping and checks as a conversion, without writing)
   lines, kw = _logs()
-  dst = convert(d, tmp_path / "ok", skip_prefix=["vision_tower.", "optimizer."],
-                kda_chunk_size=config.kda_chunk_size, **kw)
-  assert any(l.startswith("skipping 2 tensor(s) under --skip_prefix") for l in lines)
-  assert json.loads((dst / "conversion.json").read_text())["skipped_tensors"] == 2
+  assert convert(d, None, skip_prefix=["vision_tower.", "optimizer."], check_only=True,
+                 **kw) is None
+  assert any(l.startswith("skipping 2 tensor(s) under --skip_prefix ['vision_tower.', "
+                          "'optimizer.'] (e.g. ") for l in lines)
+  assert lines[-1].startswith("check: ")
   with pytest.raises(ValueError, match="empty prefix"):
     convert(d, tmp_path / "x", skip_prefix=[""], progress=False)
 
