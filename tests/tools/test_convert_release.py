@@ -222,28 +222,13 @@ def test_quantization_config_is_validated(tiny, tmp_path):
   _expect_error(d, tmp_path, r"group_size': expected 32 .*found 64")
 
 
-def test_packed_experts_stay_packed(tiny, tmp_path, monkeypatch):
+def test_packed_experts_stay_packed(tiny, tmp_path):
   """expert_format='mxfp4': experts/<w>/weight_packed + weight_scale hold the release's bytes
   stacked over experts (k3jax/quant/mx.py), nothing decoded; export writes them back."""
   config, variables = tiny
   d = _release(tiny, tmp_path)
   source = Source(d)
-  packed_config = config.replace(expert_format="mxfp4")
-  paths = N.model_paths(packed_config)
-  if not any(p[-1] == mx.PACKED for p in paths):
-    # The model does not build the packed parameter form yet: check the converter against the
-    # layout k3jax/quant/mx.py defines (the same shapes, derived from the bf16 tree).
-    def packed_paths(c):
-      out = {}
-      for p, s in N.model_paths(c.replace(expert_format="bf16")).items():
-        if p[-2:-1] == ("experts",) and p[-1] in mx.EXPERT_MATRICES:
-          lead, (e, i, o) = s[:-3], s[-3:]
-          pk, sc = mx.packed_expert_shapes(e, i, o)
-          out[p + (mx.PACKED,)], out[p + (mx.SCALE,)] = lead + pk, lead + sc
-        else:
-          out[p] = s
-      return out
-    monkeypatch.setattr(N, "model_paths", packed_paths)
+  assert any(p[-1] == mx.PACKED for p in N.model_paths(config.replace(expert_format="mxfp4")))
   dst = convert(d, tmp_path / "packed", kda_chunk_size=config.kda_chunk_size,
                 expert_format="mxfp4", progress=False, log=lambda s: None)
   got_config, got = load_pretrained(dst)
