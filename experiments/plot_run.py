@@ -2,7 +2,8 @@ r"""Plot a training run: loss curves and an expert-load heatmap (PNG).
 
   python -m experiments.plot_run --workdir=runs/small [--out=runs/small/plots]
 
-Reads DIR/metrics.jsonl. Writes `loss.png` (train loss, eval loss, bits per byte when present)
+Reads DIR/metrics.jsonl. Writes `loss.png` (train loss, eval loss, the shuffled-image eval loss
+of a multimodal run (experiments/eval_vision.py), bits per byte when present)
 and `expert_load.png` (per MoE layer × logged step: load coefficient of variation, and idle
 experts) into --out (default DIR).
 """
@@ -51,6 +52,9 @@ def plot_run(workdir: str, out: str | None = None) -> list[str]:
   ev = [(r["step"], r["eval_loss"]) for r in recs if "eval_loss" in r]
   if ev:
     ax.plot(*zip(*ev), "o-", label="eval loss")
+  shuf = [(r["step"], r["eval_loss_shuffled"]) for r in recs if "eval_loss_shuffled" in r]
+  if shuf:   # multimodal runs: the held-out captions with each other's images
+    ax.plot(*zip(*shuf), "s--", label="eval loss, shuffled images")
   ax.set_xlabel("step")
   ax.set_ylabel("nats / token")
   ax.legend()

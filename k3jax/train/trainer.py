@@ -8,6 +8,11 @@ every `train.log_every` steps to DIR/metrics.jsonl + TensorBoard, evaluates ever
 resumes from the newest complete checkpoint in DIR. `until` stops early at a step (a
 simulated preemption: the schedule still spans `train.steps`).
 
+Data (`make_data`): text corpora (k3jax/train/data.py), or `data.source="shapes"` — the
+image–caption corpus of k3jax/train/shapes.py, whose batches carry a `Media` the step passes
+to the model, optionally interleaved with text rows (`data.text_fraction`); its evaluations
+also log `eval_loss_shuffled` (the held-out captions with each other's images).
+
 Sharding: `train(..., mesh=m)` runs the step sharded over `m` (k3jax/train/sharded.py's
 `build_step`, which places each host batch); without a mesh the step is jitted on one device
 with the state donated.

@@ -1,6 +1,7 @@
 """experiments/generate.py from its flags: greedy generation and MTP speculative decoding on a
 random `tiny` model (byte tokenizer) write the same tokens; bad flags are refused."""
 
+import functools
 import json
 
 import pytest
@@ -37,6 +38,69 @@ def test_bad_flags(tmp_path):
   FLAGS(["generate", "--preset=tiny"])
   try:
     with pytest.raises(ValueError, match="--prompt"):
+      cli.main([])
+  finally:
+    FLAGS.unparse_flags()
+
+
+@functools.lru_cache(maxsize=None)
+def _small(preset_name):
+  """A random 4-layer model of the preset (a third of the 13-layer compile time)."""
+  import jax
+  import k3jax
+  from k3jax.model import K3Model
+  cfg = k3jax.preset(preset_name, num_layers=4)
+  return cfg, jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0),
+                                         jax.numpy.zeros((1, 4), jax.numpy.int32))
+
+
+@pytest.fixture
+def small_models(monkeypatch):
+  monkeypatch.setattr(cli, "load_model", lambda checkpoint, preset_name: _small(preset_name))
+
+
+def _frames(tmp_path, n, colour=(220, 40, 40)):
+  from PIL import Image
+  paths = []
+  for i in range(n):
+    img = Image.new("RGB", (56, 56), (24, 24, 24))
+    img.paste(colour, (4 + 8 * i, 10, 20 + 8 * i, 26))
+    paths.append(tmp_path / f"frame{i}.png")
+    img.save(paths[-1])
+  return [str(p) for p in paths]
+
+
+def test_image_and_video_prompts(tmp_path, small_models):
+  """--image / --video on a random tiny_multimodal model: the prompt is [BOS], (h/2)(w/2)
+  placeholders per image/clip (a 56 px frame: a 4×4 patch grid → 4), then the prompt text;
+  the image and the 2-frame clip share one compiled shape."""
+  frames = _frames(tmp_path, 2)
+  image = _run(tmp_path, "image", "--preset=tiny_multimodal", f"--image={frames[0]}",
+               "--prompt=a ")
+  assert image["prompt_tokens"] == [257] + [260] * 4 + list(b"a ")
+  assert len(image["tokens"]) == 5
+  video = _run(tmp_path, "video", "--preset=tiny_multimodal", f"--video={','.join(frames)}",
+               "--prompt=a ")
+  assert video["prompt_tokens"] == image["prompt_tokens"]
+  empty = _run(tmp_path, "empty", "--preset=tiny_multimodal", f"--image={frames[0]}",
+               "--prompt=")           # media alone is a prompt
+  assert empty["prompt_tokens"] == [257] + [260] * 4
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--preset=tiny", "--image={img}"], "--image: the model has no vision tower"),
+    (["--preset=tiny_multimodal", "--image={bad}"], r"--image=.*bad\.png"),
+    (["--preset=tiny_multimodal", "--video={five}"], "--video=.*5 frames exceed max_frames = 4"),
+])
+def test_media_errors(tmp_path, extra, match, small_models):
+  frames = _frames(tmp_path, 5)
+  bad = tmp_path / "bad.png"
+  bad.write_text("not an image")
+  fill = dict(img=frames[0], bad=str(bad), five=",".join(frames))
+  FLAGS.unparse_flags()
+  FLAGS(["generate", "--prompt=x", "--max_new_tokens=1", *(e.format(**fill) for e in extra)])
+  try:
+    with pytest.raises(ValueError, match=match):
       cli.main([])
   finally:
     FLAGS.unparse_flags()
