@@ -220,11 +220,50 @@ def pack_expert(w):
   return mxfp4_pack(xp.swapaxes(w, -1, -2))
 
 
+def mxfp4_unpack_fast(packed, scales, dtype):
+  """`mxfp4_unpack` for jax arrays in a form XLA runs fast (bit-identical results): each
+  E2M1 nibble's float32 bits are built directly (sign, exponent e−1+127, one mantissa bit;
+  e = 0 is 0 or 0.5) instead of a table gather, and the block scale 2^(byte−127) is one float32
+  multiply (the product of two powers of two and a code is exact; byte 255 gives NaN).
+  One difference: XLA flushes float32 subnormals to zero, so values below 2^−126 — reachable
+  only with scale bytes 0 and 1, blocks whose largest magnitude is under 2^−124 — decode to
+  ±0 here (a weight that small is zero in any bf16/fp32 matmul on those backends too).
+  packed uint8 [..., n/2], scales uint8 [..., n/32] → [..., n] of `dtype`."""
+  import jax
+  import jax.numpy as jnp
+  codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.uint32)   # [..., n/2, 2]
+  sign = (codes >> 3) << 31
+  e = (codes >> 1) & 3
+  m = codes & 1
+  # e > 0: (1 + m/2)·2^(e−1) → exponent field e − 1 + 127, mantissa bit 22 = m.
+  # e = 0: m · 0.5 → 0x3F000000 (0.5) when m = 1, else 0.
+  bits = jnp.where(e > 0, ((e + 126) << 23) | (m << 22), m * jnp.uint32(0x3F000000)) | sign
+  vals = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  n = packed.shape[-1] * 2
+  vals = vals.reshape(*packed.shape[:-1], n // BLOCK, BLOCK)
+  sb = scales.astype(jnp.uint32)
+  # 2^(byte−127): exponent field = byte for 1 … 254; byte 255 is NaN; byte 0 (2^−127, a
+  # subnormal that XLA would read as 0) is applied as 0.5 · 2^−126.
+  sbits = jnp.where(sb == 0, jnp.uint32(1 << 23),
+                    jnp.where(sb == 255, jnp.uint32(0x7FC00000), sb << 23))
+  factor = jax.lax.bitcast_convert_type(sbits, jnp.float32)
+  vals = jnp.where((sb == 0)[..., None], vals * 0.5, vals)
+  return (vals * factor[..., None]).reshape(*packed.shape[:-1], n).astype(dtype)
+
+
 def unpack_expert(packed, scale, dtype=np.float32):
   """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) → kernel [..., in, out]
-  of `dtype` (the inverse orientation of `pack_expert`; values as `mxfp4_unpack` decodes)."""
+  of `dtype` (the inverse orientation of `pack_expert`; values as `mxfp4_unpack` decodes —
+  for jax arrays by `mxfp4_unpack_fast`, the same bits)."""
   xp = _xp(packed)
-  return xp.swapaxes(mxfp4_unpack(packed, scale, dtype), -1, -2)
+  if xp is np:
+    return np.swapaxes(mxfp4_unpack(packed, scale, dtype), -1, -2)
+  if packed.dtype != xp.uint8 or scale.dtype != xp.uint8:
+    raise ValueError(f"packed/scale: expected uint8, found {packed.dtype}/{scale.dtype}")
+  if scale.shape != (*packed.shape[:-1], packed.shape[-1] * 2 // BLOCK):
+    raise ValueError(f"scale: expected shape {(*packed.shape[:-1], packed.shape[-1] * 2 // BLOCK)}"
+                     f" for packed {tuple(packed.shape)}, found {tuple(scale.shape)}")
+  return xp.swapaxes(mxfp4_unpack_fast(packed, scale, dtype), -1, -2)
 
 
 def packed_expert_shapes(num_experts: int, in_dim: int, out_dim: int):
@@ -311,6 +350,7 @@ def unpack_expert_params(params, dtype=np.float32):
 
 
 __all__ = ["BLOCK", "mxfp4_pack", "mxfp4_unpack", "mxfp8_pack", "mxfp8_unpack", "mx_round",
-           "PACKED", "SCALE", "EXPERT_MATRICES", "pack_expert", "unpack_expert",
+           "mxfp4_unpack_fast", "PACKED", "SCALE", "EXPERT_MATRICES", "pack_expert",
+           "unpack_expert",
            "packed_expert_shapes", "stack_release_experts", "split_release_experts",
            "pack_expert_params", "unpack_expert_params"]
