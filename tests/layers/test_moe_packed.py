@@ -49,7 +49,7 @@ def test_packed_layer_equals_dequantised_bf16_layer(capacity_factor):
 
 
 def test_tiny_mxfp4_model_scores_and_greedy_generates_like_the_dequantised_model():
-  """K3Model with packed experts: full-forward logits (max rel ≤ 1e-5, fp32) and greedy
+  """K3Model with packed experts: prefill logits (max rel ≤ 1e-5, fp32) and greedy
   `generate` (prefill + cached decode) equal the bf16-format model's on the dequantised
   weights."""
   from k3jax import generate as G
@@ -57,19 +57,20 @@ def test_tiny_mxfp4_model_scores_and_greedy_generates_like_the_dequantised_model
   from k3jax.sampling import SamplingParams
   # 5 layers: dense layer 0, then one KDA×3 + MLA group with MoE (compile time).
   cfg = preset("tiny", num_layers=5, expert_format="mxfp4", moe_capacity_factor=None)
-  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, cfg.vocab_size)
-  v = nn.unbox(jax.jit(K3Model(cfg).init)(jax.random.key(0), tokens[:, :4]))
+  v = nn.unbox(jax.jit(K3Model(cfg).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
   packed = [x for p, x in jax.tree_util.tree_leaves_with_path(v["params"])
             if "weight_packed" in jax.tree_util.keystr(p)]
   assert packed and all(x.dtype == jnp.uint8 for x in packed)
   dense_cfg = cfg.replace(expert_format="bf16")
   dense_v = {**v, "params": mx.unpack_expert_params(v["params"])}
-  logits = np.asarray(jax.jit(K3Model(cfg).apply)(v, tokens)[0])
-  logits_ref = np.asarray(jax.jit(K3Model(dense_cfg).apply)(dense_v, tokens)[0])
-  rel = np.abs(logits - logits_ref).max() / np.abs(logits_ref).max()
-  assert rel <= 1e-5, rel
   greedy = SamplingParams(temperature=0.0)
   prompts = [[5, 9, 11, 3], [7, 1]]
+  # Prefill logits through the same compiled forward `generate` uses below (same shapes).
+  toks, lengths = G.padded_prompts(prompts)
+  logits = np.asarray(G.prefill(cfg, v, toks, lengths, max_len=16)[0])
+  logits_ref = np.asarray(G.prefill(dense_cfg, dense_v, toks, lengths, max_len=16)[0])
+  rel = np.abs(logits - logits_ref).max() / np.abs(logits_ref).max()
+  assert rel <= 1e-5, rel
   out = G.generate(cfg, v, prompts, max_new_tokens=6, sampling=greedy, max_len=16)
   out_ref = G.generate(dense_cfg, dense_v, prompts, max_new_tokens=6, sampling=greedy,
                        max_len=16)
