@@ -70,14 +70,16 @@ def flops_per_token(config: ModelConfig, params: dict, seq_len: int,
   return 6 * active_params(config, params, with_mtp) + mla + kda
 
 
-def muon_flops_per_step(params: dict, ns_steps: int = 5) -> float:
+def muon_flops_per_step(params: dict, ns_steps: int = 5, *,
+                        freeze_experts: bool = False) -> float:
   """FLOPs of Per-Head Muon's Newton–Schulz per optimizer step (independent of the batch):
   per block [m ≤ n]: ns_steps · (4·m²·n + 2·m³). With small batches on a CPU this rivals the
-  model's own FLOPs, which is why `hfu` (model + optimizer FLOPs) is logged next to `mfu`."""
+  model's own FLOPs, which is why `hfu` (model + optimizer FLOPs) is logged next to `mfu`.
+  Frozen experts (`freeze_experts`, packed MXFP4 ones included) take no Muon step."""
   from k3jax.train.optim import muon_blocks, param_label
   total = 0.0
   for path, x in _leaf_items({"params": params}):
-    if param_label(path, x.shape) != "muon":
+    if param_label(path, x.shape, x.dtype, freeze_experts) != "muon":
       continue
     batch, fin, fout = muon_blocks(path, x.shape)
     m, n = sorted((x.shape[fin], x.shape[fout]))

@@ -170,7 +170,8 @@ def optimizer(cfg, config: ModelConfig) -> tuple[optax.GradientTransformation, C
                       adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
                       clip_norm=o.get("clip_norm", 0.0),
                       mu_dtype=dtype_of(o.mu_dtype) if o.get("mu_dtype") else None,
-                      offload_momentum=bool(o.get("offload_momentum", False)))
+                      offload_momentum=bool(o.get("offload_momentum", False)),
+                      freeze_experts=bool(cfg.train.get("freeze_experts", False)))
   return tx, schedule
 
 

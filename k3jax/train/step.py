@@ -31,7 +31,7 @@ import optax
 from k3jax import sharding
 from k3jax.config import ModelConfig
 from k3jax.train.balance import flat_stats
-from k3jax.train.optim import qk_clip
+from k3jax.train.optim import integer_grads_to_zeros, qk_clip
 
 LOGGED_STATS = ("load", "max_logit", "dropped")   # small stats returned for metrics
 
@@ -126,7 +126,14 @@ def accumulated_grads(params, balance, batch, config: ModelConfig, mtp_weight: f
                       grad_accum: int):
   """((loss, (ce, mtp_ce, stats)), grads) of the whole batch, computed over `grad_accum`
   micro-batches in a `lax.scan` (module doc). `grad_accum=1` is one plain value_and_grad."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  # allow_int: packed MXFP4 experts are uint8 params (frozen); their float0 gradients become
+  # zeros so that sums and norms work (the optimizer's "frozen" label ignores them).
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True, allow_int=True)
+
+  def grad_fn(*args):
+    out, grads = value_and_grad(*args)
+    return out, integer_grads_to_zeros(grads)
+
   use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
   counts = _token_counts(batch, use_mtp)
   if grad_accum == 1:

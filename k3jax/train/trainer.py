@@ -207,7 +207,9 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
   end = t.steps if until is None else min(t.steps, until)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=t.get("tensorboard", True))
   peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak()
-  muon_fps = metrics_lib.muon_flops_per_step(state.params) if cfg.optim.muon else 0.0
+  muon_fps = (metrics_lib.muon_flops_per_step(
+      state.params, freeze_experts=bool(t.get("freeze_experts", False))) if cfg.optim.muon
+      else 0.0)
   records = []
   show = t.get("progress", True) if progress is None else progress
   bar = None
@@ -309,7 +311,7 @@ def base_config(preset_name: str = "tiny"):
       steps=300, batch_size=8, grad_accum=1, seq_len=128, checkpoint_every=100, eval_every=100,
       eval_batches=2, log_every=10, mtp_weight=0.3, max_to_keep=3, curriculum="",
       progress=True, tensorboard=True, async_checkpoint=True, peak_flops=0.0,
-      data_parallel=False))
+      data_parallel=False, freeze_experts=False))
   c.optim = ml_collections.ConfigDict(dict(
       lr=2e-3, warmup_frac=0.01, final_lr_frac=0.1, weight_decay=0.1, momentum=0.95,
       adam_b1=0.9, adam_b2=0.95, muon=True, qk_clip_tau=100.0, clip_norm=0.0, mu_dtype="",

@@ -98,3 +98,31 @@ def test_bf16_kernels_and_moments_train_like_fp32():
   # follow diverging trajectories at lr 1e-2 (measured 0.06% and 0.6% apart).
   np.testing.assert_allclose(losses["bf16"][0], losses["fp32"][0], rtol=5e-3)
   np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=5e-2)
+
+
+def test_frozen_packed_experts_fine_tune():
+  """expert_format='mxfp4' with freeze_experts: the packed (uint8) experts stay bit for bit,
+  everything else takes a step, and the loss goes down; without the freeze the optimizer
+  refuses the packed parameters by name."""
+  from k3jax.train.optim import make_optimizer
+  from k3jax.tree_paths import path_str
+  cfg = preset("tiny", num_layers=2, num_mtp_layers=0, expert_format="mxfp4")
+  with pytest.raises(ValueError, match=r"experts/w1/weight_packed: uint8 parameter cannot be "
+                                       r"trained"):
+    create_state(cfg, jax.random.PRNGKey(1), make_optimizer(lambda s: 1e-2))
+  tx = make_optimizer(lambda s: 1e-2, freeze_experts=True)
+  state = create_state(cfg, jax.random.PRNGKey(1), tx)
+  step = jax.jit(make_train_step(cfg, tx))
+  batch = _batch()
+  new, m1 = step(state, batch)
+  new, m2 = step(new, batch)
+  assert float(m2["loss"]) < float(m1["loss"])
+  packed = moved = 0
+  for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                       jax.tree.leaves(new.params)):
+    if a.dtype == jnp.uint8:
+      packed += 1
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path_str(p))
+    else:
+      moved += bool(jnp.any(a != b))
+  assert packed == 6 and moved > 10     # weight_packed + weight_scale of w1, w3, w2
