@@ -26,34 +26,15 @@ import re
 import shutil
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
 from k3jax import hf_config
 from k3jax.config import ModelConfig
 from k3jax.convert import names as N
+from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir, staging_path
 from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
 
 MEMMAP_MIN_BYTES = 4 << 20    # leaves at least this big are built in memory-mapped scratch files
-_STORE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-
-
-def _progress(total: int, desc: str, enabled: bool):
-  from tqdm import tqdm
-  return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-              disable=not enabled, dynamic_ncols=True)
-
-
-def _tmp_paths(dst: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-  tag = f"{os.getpid()}"
-  return (dst.parent / f".{dst.name}.tmp-{tag}", dst.parent / f".{dst.name}.scratch-{tag}")
-
-
-def _check_dst(dst: pathlib.Path) -> None:
-  if dst.exists():
-    raise ValueError(f"--dst {str(dst)!r} already exists; choose a new directory")
-  if not dst.parent.is_dir():
-    raise ValueError(f"--dst: parent directory {str(dst.parent)!r} does not exist")
 
 
 def resolve_arch(d: dict, arch: str) -> str:
@@ -269,14 +250,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   src = pathlib.Path(src)
   if only not in ONLY:
     raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
-  if dtype not in _STORE:
-    raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
+  if dtype not in STORE:
+    raise ValueError(f"--dtype: expected one of {sorted(STORE)}, found {dtype!r}")
   skip_prefix = tuple(skip_prefix)
   if any(not p for p in skip_prefix):
     raise ValueError("--skip_prefix: an empty prefix would skip every tensor")
   if not check_only:
     dst = pathlib.Path(dst)
-    _check_dst(dst)
+    check_dst(dst)
   d = read_config(src)
   if only == "vision" or arch == "kimi_k25":
     from k3jax.convert.vision import ARCHS, convert_vision
@@ -342,31 +323,28 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   if wrong:
     raise ValueError(f"the converter's shapes and the model's differ:{_fmt_list(wrong)}")
 
-  tmp, scratch = _tmp_paths(dst)
+  scratch = staging_path(dst, "scratch")
   variables: dict = {"params": {}, "balance": {}}
   try:
-    scratch.mkdir()
-    _fill(source, leaves, variables, scratch, dtype, total, n_tensors, progress)
-    if new_mtp:
-      log(f"MTP: {mtp_note}")
-      for coll, tree in fresh_mtp(config, mtp_seed).items():
-        variables[coll]["mtp"] = tree
-    if not variables["balance"]:
-      del variables["balance"]
-    log(f"writing orbax checkpoint ({len(leaves)} leaves)")
-    with _orbax_streaming_numpy():
-      save_pretrained(tmp, config, variables)
-    del variables
-    meta = {"source": str(source.dir.resolve()), "arch": arch,
-            "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
-            "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
-            "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
-            "mtp_note": mtp_note}
-    (tmp / "conversion.json").write_text(json.dumps(meta, indent=2))
-    os.rename(tmp, dst)   # atomic on one filesystem: dst appears only when complete
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+    with staged_dir(dst, create=False) as tmp:   # orbax makes the directory
+      scratch.mkdir()
+      _fill(source, leaves, variables, scratch, dtype, total, n_tensors, progress)
+      if new_mtp:
+        log(f"MTP: {mtp_note}")
+        for coll, tree in fresh_mtp(config, mtp_seed).items():
+          variables[coll]["mtp"] = tree
+      if not variables["balance"]:
+        del variables["balance"]
+      log(f"writing orbax checkpoint ({len(leaves)} leaves)")
+      with _orbax_streaming_numpy():
+        save_pretrained(tmp, config, variables)
+      del variables
+      meta = {"source": str(source.dir.resolve()), "arch": arch,
+              "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
+              "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
+              "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
+              "mtp_note": mtp_note}
+      (tmp / "conversion.json").write_text(json.dumps(meta, indent=2))
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   return dst
@@ -378,10 +356,10 @@ def _fill(source: Source, leaves: list[N.Leaf], variables: dict, scratch: pathli
   time. Leaves of ≥ MEMMAP_MIN_BYTES live in memory-mapped scratch files (pages released after
   each leaf) so that RAM holds about one source tensor and its converted copy."""
   done = 0
-  with _progress(total, "convert", progress) as bar:
+  with progress_bar(total, "convert", progress) as bar:
     for li, leaf in enumerate(leaves):
       store = (np.dtype(np.uint8) if leaf.kind == "u8" else
-               np.dtype(np.float32) if leaf.fp32 else _STORE[dtype])
+               np.dtype(np.float32) if leaf.fp32 else STORE[dtype])
       nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * store.itemsize
       if nbytes >= MEMMAP_MIN_BYTES:
         arr = np.lib.format.open_memmap(scratch / f"{li}.npy", mode="w+", dtype=store,
@@ -442,9 +420,9 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
   src, dst = pathlib.Path(src) if src else None, pathlib.Path(dst)
   if only not in ONLY:
     raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
-  if dtype not in _STORE:
-    raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
-  _check_dst(dst)
+  if dtype not in STORE:
+    raise ValueError(f"--dtype: expected one of {sorted(STORE)}, found {dtype!r}")
+  check_dst(dst)
   from k3jax.convert import vision as cv
   if loaded is None and src is not None and (src / cv.CONFIG_FILE).exists():
     return cv.export_vision(src, dst, dtype=dtype, progress=progress)
@@ -483,17 +461,15 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
                      + (f"\n unexpected:{_fmt_list(extra)}" if extra else "")
                      + (f"\n wrong shape:{_fmt_list(wrong)}" if wrong else ""))
 
-  store = _STORE[dtype]
+  store = STORE[dtype]
   plan = N.tensor_plan(leaves, store)
   where = {name: (leaf, slot, k) for leaf in leaves for slot in leaf.slots
            for k, name in enumerate(slot.names)}
 
-  tmp, _ = _tmp_paths(dst)
-  try:
-    tmp.mkdir()
+  with staged_dir(dst) as tmp:
     writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes)
     pending: dict = {}
-    with _progress(writer.total_bytes, "export", progress) as bar:
+    with progress_bar(writer.total_bytes, "export", progress) as bar:
       for name, dt, _ in plan:
         leaf, slot, k = where[name]
         if name not in pending:
@@ -508,10 +484,6 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
     tc = hf_config.text_config(cfg)
     tc["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    os.rename(tmp, dst)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return dst
 
 

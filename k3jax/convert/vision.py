@@ -37,12 +37,11 @@ import json
 import os
 import pathlib
 import re
-import shutil
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
+from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir
 from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
 from k3jax.vision import names as vnames
 from k3jax.vision.config import VisionConfig, vision_config_from_hf, vision_config_to_hf
@@ -50,7 +49,6 @@ from k3jax.vision.load import CONFIG_FILE, PARAMS_FILE, load_vision, path_name, 
 
 ARCHS = ("kimi_k3", "kimi_k25")
 VISION_PREFIXES = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
-_STORE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _VISION_MODEL_TYPE = {"kimi_k3": "kimi_k3_vision", "kimi_k25": "kimi_k25_vision"}
 
 
@@ -220,32 +218,15 @@ def read_release(source: Source, cfg: VisionConfig, recipe: Recipe) -> np.ndarra
 
 
 # ---------------------------------------------------------------------- convert / export
-def _progress(total: int, desc: str, enabled: bool):
-  from tqdm import tqdm
-  return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-              disable=not enabled, dynamic_ncols=True)
-
-
-def _check_dst(dst: pathlib.Path) -> None:
-  if dst.exists():
-    raise ValueError(f"--dst {str(dst)!r} already exists; choose a new directory")
-  if not dst.parent.is_dir():
-    raise ValueError(f"--dst: parent directory {str(dst.parent)!r} does not exist")
-
-
-def _tmp(dst: pathlib.Path) -> pathlib.Path:
-  return dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-
-
 def convert_vision(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "kimi_k3",
                    dtype: str = "float32", allow_torch_pickle: bool = False,
                    progress: bool = True, log: Callable[[str], None] = print) -> pathlib.Path:
   """Convert the vision tower + projector of the checkpoint at `src` into `dst` (see the module
   docstring for both layouts). dtype: storage of every vision leaf. Returns `dst`."""
   src, dst = pathlib.Path(src), pathlib.Path(dst)
-  if dtype not in _STORE:
-    raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
-  _check_dst(dst)
+  if dtype not in STORE:
+    raise ValueError(f"--dtype: expected one of {sorted(STORE)}, found {dtype!r}")
+  check_dst(dst)
   cfg, placeholder = vision_config_of(read_config(src), arch)
   source = Source(src, allow_torch_pickle=allow_torch_pickle)
   recipes = plan_vision(source, cfg, arch)
@@ -255,17 +236,15 @@ def convert_vision(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "
     log(f"read {len(renamed)} vision tensor(s) under transformers' names (e.g. "
         f"{renamed[0].names[0]} as {renamed[0].spec.name})"
         + (f"; {split} wqkv fused from split q/k/v in rotate-half order" if split else ""))
-  store = _STORE[dtype]
+  store = STORE[dtype]
   shapes = {r.spec.name: vnames.to_k3jax(cfg, r.spec, np.broadcast_to(np.float32(0),
                                                                        r.spec.shape)).shape
             for r in recipes}
   plan = [(path_name(r.spec.path), store, shapes[r.spec.name]) for r in recipes]
-  tmp = _tmp(dst)
-  try:
-    tmp.mkdir()
+  with staged_dir(dst) as tmp:
     writer = ShardedWriter(tmp, plan, max_shard_bytes=1 << 62)
     total = sum(source.infos[n].nbytes for r in recipes for n in r.names)
-    with _progress(total, "convert vision", progress) as bar:
+    with progress_bar(total, "convert vision", progress) as bar:
       for i, r in enumerate(recipes):
         x = read_release(source, cfg, r)
         writer.write(plan[i][0], np.ascontiguousarray(
@@ -277,10 +256,6 @@ def convert_vision(src: str | os.PathLike, dst: str | os.PathLike, arch: str = "
     (tmp / CONFIG_FILE).write_text(json.dumps(
         {"vision_config": _config_dict(cfg.replace(param_dtype=dtype)),
          "media_placeholder_token_id": placeholder}, indent=2))
-    os.rename(tmp, dst)   # atomic on one filesystem: dst appears only when complete
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   log(f"converted {len(recipes)} vision tensors ({cfg.name}, {cfg.num_layers} layers)")
   return dst
 
@@ -298,9 +273,9 @@ def export_vision(src: str | os.PathLike | None, dst: str | os.PathLike,
   (VisionConfig, {'params': {'vision_tower', 'mm_projector'}})) in the release spelling:
   `model.safetensors` (every tensor in `dtype`, bf16 like the release) + config.json."""
   dst = pathlib.Path(dst)
-  if dtype not in _STORE:
-    raise ValueError(f"--dtype: expected one of {sorted(_STORE)}, found {dtype!r}")
-  _check_dst(dst)
+  if dtype not in STORE:
+    raise ValueError(f"--dtype: expected one of {sorted(STORE)}, found {dtype!r}")
+  check_dst(dst)
   if loaded is None:
     p = pathlib.Path(src)
     if (p / CONFIG_FILE).exists():
@@ -317,14 +292,12 @@ def export_vision(src: str | os.PathLike | None, dst: str | os.PathLike,
       hf["media_placeholder_token_id"] = media_placeholder_token_id
   else:
     hf = k25_config_to_hf(cfg, media_placeholder_token_id)
-  store = _STORE[dtype]
+  store = STORE[dtype]
   specs = vnames.tensor_specs(cfg)
   plan = [(s.name, store, s.shape) for s in specs]
-  tmp = _tmp(dst)
-  try:
-    tmp.mkdir()
+  with staged_dir(dst) as tmp:
     writer = ShardedWriter(tmp, plan, max_shard_bytes=1 << 62)
-    with _progress(writer.total_bytes, "export vision", progress) as bar:
+    with progress_bar(writer.total_bytes, "export vision", progress) as bar:
       for s in specs:
         node = variables["params"]
         for k in s.path:
@@ -337,10 +310,6 @@ def export_vision(src: str | os.PathLike | None, dst: str | os.PathLike,
     writer.close()
     hf["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-    os.rename(tmp, dst)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return dst
 
 

@@ -351,14 +351,19 @@ class DataIterator:
     return {"step": self.step, "seed": self.seed, "data": self.corpus.fingerprint()}
 
   def set_state(self, state: dict) -> None:
-    mine = self.corpus.fingerprint()
-    if state.get("data") != mine:
-      raise ValueError(f"data iterator state: the checkpoint was written for data "
-                       f"{state.get('data')}, but the current data is {mine}")
-    if state.get("seed") != self.seed:
-      raise ValueError(f"data iterator state: checkpoint seed {state.get('seed')} != "
-                       f"config seed {self.seed}")
-    self.step = int(state["step"])
+    self.step = restored_step(state, self.corpus.fingerprint(), self.seed)
+
+
+def restored_step(state: dict, fingerprint, seed: int) -> int:
+  """The step of a checkpointed iterator state {"step", "seed", "data"}, checked against the
+  current data's fingerprint and seed (a ValueError names the mismatch)."""
+  if state.get("data") != fingerprint:
+    raise ValueError(f"data iterator state: the checkpoint was written for data "
+                     f"{state.get('data')}, but the current data is {fingerprint}")
+  if state.get("seed") != seed:
+    raise ValueError(f"data iterator state: checkpoint seed {state.get('seed')} != "
+                     f"config seed {seed}")
+  return int(state["step"])
 
 
 def eval_batches(corpus: Corpus, num_batches: int, batch_size: int, seq_len: int,

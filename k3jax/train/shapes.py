@@ -39,7 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k3jax.train.data import BOS, EOS, MEDIA, NUM_BYTES, PAD, pack_windows
+from k3jax.train.data import BOS, EOS, MEDIA, NUM_BYTES, PAD, pack_windows, restored_step
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 90, 235),
            "yellow": (235, 210, 40)}
@@ -344,13 +344,7 @@ class ShapesIterator:
     return {"step": self.step, "seed": self.seed, "data": self.fingerprint()}
 
   def set_state(self, state: dict) -> None:
-    if state.get("data") != self.fingerprint():
-      raise ValueError(f"data iterator state: the checkpoint was written for data "
-                       f"{state.get('data')}, but the current data is {self.fingerprint()}")
-    if state.get("seed") != self.seed:
-      raise ValueError(f"data iterator state: checkpoint seed {state.get('seed')} != "
-                       f"config seed {self.seed}")
-    self.step = int(state["step"])
+    self.step = restored_step(state, self.fingerprint(), self.seed)
 
 
 def eval_samples(seed: int, num: int) -> list[Sample]:
