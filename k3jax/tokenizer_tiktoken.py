@@ -10,6 +10,9 @@ pre-tokenisation regex, each piece's UTF-8 bytes start as single bytes and the a
 concatenation has the lowest rank is merged until no pair is in the vocabulary. The regex uses
 Unicode classes and set intersection (`\\p{Han}`, `&&`), which need the third-party `regex`
 module: `encode` raises a clear error without it; `decode` needs nothing.
+`encode(text, specials=True)` encodes the special tokens' strings found in the text as their
+single ids (the XTML chat markers `[open]`, `[sep]`, `[close]`, `[end_of_msg]` among them:
+`chat_ids()` gives theirs, or a clear error naming the file when one is missing).
 Everything is read from a local directory; nothing is downloaded.
 """
 
@@ -69,6 +72,7 @@ class TiktokenTokenizer:
     self.vocab_size = max([*self._decoder, *self._special_decoder, -1]) + 1
     self.bos_id = self.special_tokens.get("[BOS]")
     self.eos_id = self.special_tokens.get("[EOS]", self.special_tokens.get("<|im_end|>"))
+    self.source = "the special tokens given"
 
   @classmethod
   def from_dir(cls, path: str | os.PathLike) -> "TiktokenTokenizer":
@@ -82,7 +86,19 @@ class TiktokenTokenizer:
       with open(cfg) as f:
         added = json.load(f).get("added_tokens_decoder", {})
       specials = {v["content"]: int(k) for k, v in added.items()}
-    return cls(read_ranks(model), specials)
+    tok = cls(read_ranks(model), specials)
+    tok.source = f"{cfg} (added_tokens_decoder)" if os.path.exists(cfg) else (
+        f"{cfg}, which does not exist")
+    return tok
+
+  def chat_ids(self) -> dict[str, int]:
+    """{XTML marker: its special-token id}; ValueError naming the markers missing."""
+    from k3jax.chat import MARKERS
+    missing = [m for m in MARKERS if m not in self.special_tokens]
+    if missing:
+      raise ValueError(f"tokenizer: the chat marker(s) {missing} are not special tokens of "
+                       f"{self.source}; the XTML chat format needs each as one token")
+    return {m: self.special_tokens[m] for m in MARKERS}
 
   # ------------------------------------------------------------------ encoding
   @functools.cached_property
@@ -114,11 +130,25 @@ class TiktokenTokenizer:
       out.append(self.ranks[p])
     return out
 
-  def encode(self, text: str, bos: bool = False) -> list[int]:
-    """Text → ids (special-token strings in the text are encoded as plain text)."""
+  @functools.cached_property
+  def _special_split(self):
+    import re
+    names = sorted(self.special_tokens, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+
+  def encode(self, text: str, bos: bool = False, specials: bool = False) -> list[int]:
+    """Text → ids. Special-token strings in the text are encoded as plain text, or, with
+    `specials`, as their single ids."""
     ids = [self.bos_id] if bos and self.bos_id is not None else []
-    for m in self._regex.finditer(text):
-      ids.extend(self._bpe(m.group().encode("utf-8")))
+    pieces = [text]
+    if specials and self._special_split is not None:
+      pieces = self._special_split.split(text)
+    for k, piece in enumerate(pieces):
+      if k % 2:
+        ids.append(self.special_tokens[piece])
+        continue
+      for m in self._regex.finditer(piece):
+        ids.extend(self._bpe(m.group().encode("utf-8")))
     return ids
 
   # ------------------------------------------------------------------ decoding

@@ -50,3 +50,35 @@ def test_bad_files_and_ids(tmp_path):
   tok = TiktokenTokenizer.from_dir(_write_vocab(tmp_path, []))
   with pytest.raises(ValueError, match="outside"):
     tok.decode([999])
+
+
+def _with_chat_markers(path, markers=("[open]", "[sep]", "[close]", "[end_of_msg]")):
+  cfg = json.loads((path / "tokenizer_config.json").read_text())
+  for j, m in enumerate(markers):
+    cfg["added_tokens_decoder"][str(310 + j)] = {"content": m}
+  (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  return path
+
+
+def test_chat_markers_from_the_tokenizer_files(tmp_path):
+  """The XTML markers' ids come from tokenizer_config.json; each is one token with
+  specials=True, and a rendered conversation round-trips through encode → decode."""
+  from k3jax import chat
+  tok = TiktokenTokenizer.from_dir(_with_chat_markers(_write_vocab(tmp_path, [b"ll"])))
+  assert tok.chat_ids() == {"[open]": 310, "[sep]": 311, "[close]": 312, "[end_of_msg]": 313}
+  conv = chat.Conversation((chat.Message("user", "hello 你好"),
+                            chat.Message("assistant", "ok", think="hm")))
+  text = chat.render(conv)
+  ids = tok.encode(text, specials=True)
+  assert [i for i in ids if i >= 310] == [310, 311, 313, 310, 311, 310, 311, 312, 310, 311, 312,
+                                          313]
+  assert tok.decode(ids, specials=True) == text
+  assert chat.parse(tok.decode(ids, specials=True)) == conv
+  assert 310 not in tok.encode(text)                 # without specials: plain text
+
+
+def test_chat_markers_missing_are_named(tmp_path):
+  tok = TiktokenTokenizer.from_dir(_with_chat_markers(_write_vocab(tmp_path, []),
+                                                      ("[open]", "[sep]")))
+  with pytest.raises(ValueError, match=r"\['\[close\]', '\[end_of_msg\]'\].*tokenizer_config"):
+    tok.chat_ids()

@@ -1,8 +1,10 @@
 """Training data: byte tokenizer, corpora, packing into [B, T] and a checkpointable iterator.
 
 Tokenizer. Ids 0–255 are the bytes themselves; the special tokens follow (`PAD`=256,
-`BOS`=257, `EOS`=258, `SEP`=259, `MEDIA`=260 (the media placeholder), then reserved ids up
-to 256+16). `tiny` (272) and `small` (512)
+`BOS`=257, `EOS`=258, `SEP`=259, `MEDIA`=260 (the media placeholder), the XTML chat markers
+(`k3jax/chat.py`) `[open]`=261, `[sep]`=262, `[close]`=263, `[end_of_msg]`=264, then reserved
+ids up to 256+16). `encode(text, specials=True)` maps the specials' names (`<bos>` …, the
+chat markers) in the text to their single ids; `decode(ids, specials=True)` writes them back. `tiny` (272) and `small` (512)
 vocabularies both hold them; a model's extra ids are simply never produced.
 
 Corpora (`load_corpus`). `"stdlib"`: the running Python's standard library sources (every `*.py`
@@ -44,6 +46,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import sysconfig
 from typing import Iterable, Sequence
 
@@ -51,11 +54,19 @@ import numpy as np
 
 NUM_BYTES = 256
 PAD, BOS, EOS, SEP, MEDIA = 256, 257, 258, 259, 260
+CHAT_OPEN, CHAT_SEP, CHAT_CLOSE, CHAT_END = 261, 262, 263, 264   # XTML markers (k3jax/chat.py)
 NUM_SPECIAL = 16
-SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", SEP: "<sep>", MEDIA: "<media>"}
+SPECIAL_NAMES = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", SEP: "<sep>", MEDIA: "<media>",
+                 CHAT_OPEN: "[open]", CHAT_SEP: "[sep]", CHAT_CLOSE: "[close]",
+                 CHAT_END: "[end_of_msg]"}
+_SPECIAL_IDS = {name: i for i, name in SPECIAL_NAMES.items()}
 
 
 # ---------------------------------------------------------------------- tokenizer
+_SPECIAL_SPLIT = re.compile(b"(" + b"|".join(re.escape(n.encode()) for n in sorted(
+    _SPECIAL_IDS, key=len, reverse=True)) + b")")
+
+
 class ByteTokenizer:
   """Bytes are ids 0–255, specials 256–271. `vocab_size` is the model's (≥ 272)."""
 
@@ -66,13 +77,26 @@ class ByteTokenizer:
     self.vocab_size = vocab_size
     self.pad_id, self.bos_id, self.eos_id, self.sep_id = PAD, BOS, EOS, SEP
 
-  def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> np.ndarray:
-    """Text → int32 ids [n (+2)]."""
+  def encode(self, text: str | bytes, bos: bool = False, eos: bool = False,
+             specials: bool = False) -> np.ndarray:
+    """Text → int32 ids [n (+2)]. `specials`: the names in `SPECIAL_NAMES` (`<bos>`, `[open]`
+    …) found in the text become their single ids instead of bytes."""
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-    ids = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+    if specials:
+      ids = []
+      for k, piece in enumerate(_SPECIAL_SPLIT.split(data)):
+        ids.append(np.array([_SPECIAL_IDS[piece.decode()]], np.int32) if k % 2 else
+                   np.frombuffer(piece, dtype=np.uint8).astype(np.int32))
+      ids = np.concatenate(ids)
+    else:
+      ids = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
     parts = ([np.array([BOS], np.int32)] if bos else []) + [ids] + (
         [np.array([EOS], np.int32)] if eos else [])
     return np.concatenate(parts)
+
+  def chat_ids(self) -> dict[str, int]:
+    """{XTML marker: its id} (k3jax/chat.py)."""
+    return {SPECIAL_NAMES[i]: i for i in (CHAT_OPEN, CHAT_SEP, CHAT_CLOSE, CHAT_END)}
 
   def decode(self, ids: Iterable[int], specials: bool = False) -> str:
     """Ids → text; special tokens are dropped (or written as `<bos>` … when `specials`)."""

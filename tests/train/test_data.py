@@ -145,3 +145,21 @@ def test_iterator_resume_and_curriculum(tmp_path):
 
 def test_unigram_entropy():
   assert D.unigram_entropy(np.array([0, 1, 2, 3] * 10), 272) == pytest.approx(np.log(4))
+
+
+def test_chat_markers_are_single_ids():
+  """The XTML markers (k3jax/chat.py) are the reserved ids 261–264: one id each with
+  `specials=True`, plain bytes without; the earlier specials keep their ids."""
+  from k3jax import chat
+  tok = D.ByteTokenizer(272)
+  assert (D.PAD, D.BOS, D.EOS, D.SEP, D.MEDIA) == (256, 257, 258, 259, 260)
+  assert tok.chat_ids() == {"[open]": 261, "[sep]": 262, "[close]": 263, "[end_of_msg]": 264}
+  for marker, i in tok.chat_ids().items():
+    assert tok.encode(marker, specials=True).tolist() == [i]
+    assert tok.encode(marker).tolist() == list(marker.encode())     # text, by default
+  text = chat.render_prompt(chat.Conversation((chat.Message("user", "héllo [x]"),)))
+  ids = tok.encode(text, bos=True, specials=True)
+  assert ids.tolist() == [D.BOS, 261, *b"user", 262, *"héllo [x]".encode(), 264,
+                          261, *b"assistant", 262, 261, *b"think", 262]
+  assert tok.decode(ids, specials=True) == "<bos>" + text
+  assert tok.decode(ids) == "userhéllo [x]assistantthink"           # specials dropped
