@@ -26,6 +26,19 @@ to 28 px) into a (t, h, w) patch grid, and the prompt is
     [BOS] [MEDIA] × (h/2)(w/2) per image/video, in order, then the prompt's tokens
 — the layout of the shapes corpus (k3jax/train/shapes.py) — prefilled in one
 `K3Model.extend(..., media=)` call; decoding is text only. --prompt may be empty with media.
+
+Chat (the XTML format, k3jax/chat.py):
+
+  python -m experiments.generate --checkpoint=runs/sft --chat --prompt="What is 2+3?" --show_think
+
+--chat renders the prompt as one user turn and opens the assistant's reply —
+`[BOS] chat.user_prompt(prompt, thinking)` with the markers as single special tokens —
+in thinking mode (the reply opens its `think` channel) or with --chat_mode=instruct (it opens
+`response`). Generation stops at `[end_of_msg]` (added to the stop tokens); the reply is parsed
+back (`chat_output`: a reply cut at --max_new_tokens is closed first) and its response channel
+printed — after its thinking channel with --show_think, and its tool calls (JSON) when it made
+any. A reply that does not parse is printed as raw text with a warning. --output_json gains
+"chat": {"think", "response", "tool_calls"} ("text" is then the raw reply, markers written out).
 """
 
 from __future__ import annotations
@@ -55,6 +68,44 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "Image file to put before the pr
                                    "(repeatable; a multimodal checkpoint).")
 _VIDEO = flags.DEFINE_string("video", None, "Comma-separated frame files of one video clip, "
                              "put after the images.")
+_CHAT = flags.DEFINE_bool("chat", False, "Render the prompt as a user turn of the XTML chat "
+                          "format; print the reply's response channel.")
+_CHAT_MODE = flags.DEFINE_enum("chat_mode", None, ["thinking", "instruct"],
+                               "With --chat: how the reply opens (default thinking).")
+_SHOW_THINK = flags.DEFINE_bool("show_think", False, "With --chat: print the thinking channel too.")
+
+
+def check_chat_flags(chat: bool, chat_mode: str | None, show_think: bool) -> bool:
+  """Whether the reply opens in thinking mode; ValueError naming a flag that needs another."""
+  if not chat:
+    for name, used in (("--chat_mode", chat_mode is not None), ("--show_think", show_think)):
+      if used:
+        raise ValueError(f"{name}: only meaningful with --chat")
+    return False
+  thinking = chat_mode != "instruct"
+  if show_think and not thinking:
+    raise ValueError("--show_think: --chat_mode=instruct opens the reply at its response "
+                     "channel, so there is no thinking channel to show")
+  return thinking
+
+
+def chat_output(generated: str, thinking: bool, show_think: bool):
+  """(assistant Message or None, text to print) from the reply's generated text (markers
+  written out; cut at [end_of_msg] or at max_new_tokens). A reply that does not parse gives
+  (None, the raw text) — the caller warns."""
+  from k3jax import chat
+  try:
+    msg = chat.parse_reply(generated, thinking, complete=False)
+  except ValueError:
+    return None, generated
+  parts = []
+  if show_think:
+    parts += ["--- think ---", msg.think or "", "--- response ---"]
+  parts.append(msg.content or "")
+  if msg.tool_calls:
+    parts += ["--- tools ---", chat._json([{"name": c.name, "arguments": c.arguments}
+                                           for c in msg.tool_calls])]
+  return msg, "\n".join(parts)
 
 
 def media_prompt(cfg, tok, images, video, prompt_ids):
@@ -120,25 +171,38 @@ def main(argv):
   from k3jax.serving.speculative import speculative_generate
   if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
     raise ValueError("exactly one of --prompt / --prompt_file is required")
+  thinking = check_chat_flags(_CHAT.value, _CHAT_MODE.value, _SHOW_THINK.value)
   prompt = _PROMPT.value
   if _PROMPT_FILE.value:
     with open(_PROMPT_FILE.value) as f:
       prompt = f.read()
   cfg, variables = load_model(_CKPT.value, _PRESET.value)
   tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.vocab_size)
-  ids = [int(i) for i in tok.encode(prompt)]
+  if _CHAT.value:
+    from k3jax import chat
+    end_id = tok.chat_ids()[chat.END]      # a tokenizer without the markers fails here, by name
+    ids = [int(i) for i in tok.encode(chat.user_prompt(prompt, thinking), specials=True)]
+    if not (_IMAGE.value or _VIDEO.value) and getattr(tok, "bos_id", None) is not None:
+      ids = [int(tok.bos_id)] + ids        # (media_prompt puts BOS before the media itself)
+  else:
+    ids = [int(i) for i in tok.encode(prompt)]
   ids, media = media_prompt(cfg, tok, _IMAGE.value, _VIDEO.value, ids)
   if not ids:
     raise ValueError("--prompt: the prompt encodes to zero tokens")
   stops = tuple(_STOP_TOKEN.value) if _STOP_TOKEN.value is not None else (
       (tok.eos_id,) if getattr(tok, "eos_id", None) is not None else ())
+  if _CHAT.value:
+    stops = (*stops, end_id)
   sampling = SamplingParams(temperature=_TEMP.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
                             stop_tokens=stops, stop_strings=tuple(_STOP.value))
-  sys.stdout.write(prompt)
-  sys.stdout.flush()
+  if not _CHAT.value:                      # chat: the parsed reply is printed at the end
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
   streamed: list[int] = []
 
   def on_token(row, token):
+    if _CHAT.value:
+      return
     # Stream the text increment (decode the whole suffix: multi-byte characters stay intact).
     before = tok.decode(streamed)
     streamed.append(token)
@@ -152,7 +216,8 @@ def main(argv):
     out, stats = speculative_generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
                                       sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value)
     tokens = out[0]
-    sys.stdout.write(tok.decode(tokens))
+    if not _CHAT.value:
+      sys.stdout.write(tok.decode(tokens))
     print(f"\n[speculative] acceptance rate {stats['acceptance_rate']:.3f} over "
           f"{stats['drafts']} drafts", file=sys.stderr)
     text = tok.decode(tokens)
@@ -165,10 +230,23 @@ def main(argv):
     for s in sampling.stop_strings:   # the stop string and what follows are not output
       if s and s in text:
         text = text[:text.find(s)]
+  record = {"prompt_tokens": ids, "tokens": tokens, "text": text}
+  if _CHAT.value:
+    text = tok.decode(tokens, specials=True)
+    msg, shown = chat_output(text, thinking, _SHOW_THINK.value)
+    if msg is None:
+      print("[chat] warning: the reply does not parse as an XTML assistant message; printing "
+            "it raw", file=sys.stderr)
+    sys.stdout.write(shown)
+    record["text"] = text
+    record["chat"] = None if msg is None else {
+        "think": msg.think, "response": msg.content,
+        "tool_calls": None if msg.tool_calls is None else [
+            {"name": c.name, "arguments": c.arguments} for c in msg.tool_calls]}
   sys.stdout.write("\n")
   if _OUT.value:
     with open(_OUT.value, "w") as f:
-      json.dump({"prompt_tokens": ids, "tokens": tokens, "text": text}, f, ensure_ascii=False)
+      json.dump(record, f, ensure_ascii=False)
 
 
 if __name__ == "__main__":

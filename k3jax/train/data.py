@@ -3,9 +3,10 @@
 Tokenizer. Ids 0–255 are the bytes themselves; the special tokens follow (`PAD`=256,
 `BOS`=257, `EOS`=258, `SEP`=259, `MEDIA`=260 (the media placeholder), the XTML chat markers
 (`k3jax/chat.py`) `[open]`=261, `[sep]`=262, `[close]`=263, `[end_of_msg]`=264, then reserved
-ids up to 256+16). `encode(text, specials=True)` maps the specials' names (`<bos>` …, the
-chat markers) in the text to their single ids; `decode(ids, specials=True)` writes them back. `tiny` (272) and `small` (512)
-vocabularies both hold them; a model's extra ids are simply never produced.
+ids up to 256+16). `tiny` (272) and `small` (512) vocabularies both hold them; a model's
+extra ids are simply never produced. `encode(text, specials=True)` maps the specials' names
+(`<bos>` …, the chat markers) in the text to their single ids; `decode(ids, specials=True)`
+writes them back.
 
 Corpora (`load_corpus`). `"stdlib"`: the running Python's standard library sources (every `*.py`
 under `sysconfig.get_paths()["stdlib"]`, site-packages excluded, sorted by relative path). A

@@ -104,3 +104,67 @@ def test_media_errors(tmp_path, extra, match, small_models):
       cli.main([])
   finally:
     FLAGS.unparse_flags()
+
+
+# ---------------------------------------------------------------------- --chat
+def test_chat_output_extracts_the_channels():
+  """The post-processing of a chat reply (text after the prompt, markers written out)."""
+  msg, shown = cli.chat_output("hm[close][open]response[sep]5[close][end_of_msg]x", True, False)
+  assert (msg.think, msg.content, shown) == ("hm", "5", "5")
+  _, shown = cli.chat_output("hm[close][open]response[sep]5[close][end_of_msg]", True, True)
+  assert shown == "--- think ---\nhm\n--- response ---\n5"
+  msg, shown = cli.chat_output("cut sho", True, False)            # at max_new_tokens
+  assert (msg.think, msg.content, shown) == ("cut sho", None, "")
+  msg, shown = cli.chat_output('4[close][open]tools[sep][{"name":"add","arguments":{"a":1}}]'
+                               "[close][end_of_msg]", False, False)
+  assert shown == '4\n--- tools ---\n[{"arguments":{"a":1},"name":"add"}]'
+  msg, shown = cli.chat_output("a[end_of_msg", True, True)        # not a marker: text
+  assert msg.think == "a[end_of_msg" and shown == "--- think ---\na[end_of_msg\n--- response ---\n"
+  assert cli.chat_output("a[sep]b", True, False) == (None, "a[sep]b")  # does not parse: raw
+
+
+def _run_chat(tmp_path, name, *extra):
+  return _run(tmp_path, name, "--preset=tiny", "--prompt=2+3?", "--chat", *extra)
+
+
+def test_chat_prompt_stop_token_and_channels(tmp_path, capsys, small_models, monkeypatch):
+  """--chat on a random 4-layer tiny model: the prompt is [BOS] + the rendered user turn with
+  single-id markers; then, with generation replaced by a fixed reply, [end_of_msg] (264) is a
+  stop token and the response (and with --show_think the thinking) channel is printed."""
+  out = _run_chat(tmp_path, "chat")
+  think_prefix = [261, *b"assistant", 262, 261, *b"think", 262]
+  assert out["prompt_tokens"] == [257, 261, *b"user", 262, *b"2+3?", 264, *think_prefix]
+  assert len(out["tokens"]) <= 5 and "chat" in out
+  instruct = _run_chat(tmp_path, "instruct", "--chat_mode=instruct")
+  assert instruct["prompt_tokens"][-10:] == [261, *b"response", 262]
+
+  from k3jax import generate as G
+  from k3jax.train.data import ByteTokenizer
+  seen = {}
+  reply = ByteTokenizer().encode("hm[close][open]response[sep]5[close]", specials=True).tolist()
+
+  def fake_generate(cfg, variables, prompts, sampling, **kw):
+    seen["stops"] = sampling.stop_tokens
+    return [reply]
+
+  monkeypatch.setattr(G, "generate", fake_generate)
+  capsys.readouterr()
+  out = _run_chat(tmp_path, "fake", "--show_think")
+  assert seen["stops"] == (-1, 264)
+  assert capsys.readouterr().out == "--- think ---\nhm\n--- response ---\n5\n"
+  assert out["chat"] == {"think": "hm", "response": "5", "tool_calls": None}
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--show_think"], "--show_think: only meaningful with --chat"),
+    (["--chat_mode=instruct"], "--chat_mode: only meaningful with --chat"),
+    (["--chat", "--chat_mode=instruct", "--show_think"], "--show_think: .*no thinking channel"),
+])
+def test_chat_flag_errors(extra, match):
+  FLAGS.unparse_flags()
+  FLAGS(["generate", "--preset=tiny", "--prompt=x", *extra])
+  try:
+    with pytest.raises(ValueError, match=match):
+      cli.main([])
+  finally:
+    FLAGS.unparse_flags()
