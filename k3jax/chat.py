@@ -250,11 +250,12 @@ class _Parser:
                  f"{got!r}" if got else f"expected {marker!r} {what}, found the end of the text")
     self.pos += len(marker)
 
-  def text_until(self, marker: str, what: str) -> str:
-    """Text up to the next marker, which must be `marker`."""
+  def text_until(self, marker: str, what: str, opened: int | None = None) -> str:
+    """Text up to the next marker, which must be `marker` (`opened`: where `what` began)."""
     m = _MARKER_RE.search(self.text, self.pos)
     if m is None:
-      self.error(f"{what} is not closed: no {marker!r} before the end of the text")
+      where = "" if opened is None else f" (opened at offset {opened})"
+      self.error(f"{what}{where} is not closed: no {marker!r} before the end of the text")
     if m.group() != marker:
       self.error(f"unexpected marker {m.group()!r} inside {what} (expected {marker!r})",
                  m.start())
@@ -275,7 +276,7 @@ class _Parser:
 
   def options(self, start: int) -> Options:
     body_start = self.pos
-    body = self.text_until(END, "an options block")
+    body = self.text_until(END, "an options block", start)
     try:
       return Options.from_json(body)
     except json.JSONDecodeError as e:
@@ -288,7 +289,8 @@ class _Parser:
     last = -1
     while not self.at(END):
       if self.pos >= len(self.text):
-        self.error("assistant message is not closed: no '[end_of_msg]' before the end of the text")
+        self.error("assistant message is not closed: no '[end_of_msg]' before the end of the "
+                   "text")
       start = self.pos
       self.expect(OPEN, "to start a channel (or '[end_of_msg]' to end the message)")
       name = self.text_until(SEP, "a channel header")
@@ -299,7 +301,7 @@ class _Parser:
                    f"{', '.join(CHANNELS)}, each at most once)", start)
       last = CHANNELS.index(name)
       body_start = self.pos
-      body = self.text_until(CLOSE, f"channel {name!r}")
+      body = self.text_until(CLOSE, f"channel {name!r}", start)
       if name == "tools":
         calls = self.json(body, body_start, "tools channel")
         if not isinstance(calls, list) or not all(
@@ -330,7 +332,7 @@ class _Parser:
       elif header == "assistant":
         messages.append(self.assistant())
       elif header in ROLES:
-        messages.append(Message(header, self.text_until(END, f"{header} message")))
+        messages.append(Message(header, self.text_until(END, f"{header} message", start)))
       else:
         self.error(f"unknown role {header!r} (known: {', '.join(ROLES)}, "
                    f"{GLOBAL_OPTIONS}, {TURN_OPTIONS})", start)

@@ -124,7 +124,7 @@ def test_parse_reply_truncated():
 
 # ---------------------------------------------------------------------- errors
 @pytest.mark.parametrize("text,pos,match", [
-    ("[open]user[sep]hi", 15, "user message is not closed"),
+    ("[open]user[sep]hi", 15, r"user message \(opened at offset 0\) is not closed"),
     ("[open]user[sep]hi[end_of_msg][open]robot[sep]x[end_of_msg]", 29, "unknown role 'robot'"),
     ("[open]assistant[sep][open]answer[sep]x[close][end_of_msg]", 20, "unknown channel 'answer'"),
     ("[open]user[sep]a[close]b[end_of_msg]", 16, "unexpected marker '\\[close\\]'"),
