@@ -20,17 +20,23 @@ import sys
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", None, "a ModelConfig preset (k3, tiny, tiny_multimodal, …)")
-flags.DEFINE_string("config_json", None, "or a config.json (Hugging Face / release layout)")
-flags.DEFINE_enum("arch", None, ["kimi_linear", "kimi_k3"],
-                  "target layout (default: kimi_k3 when the config uses any K3 feature)")
-flags.DEFINE_enum("expert_format", None, ["mxfp4", "bf16"],
-                  "routed experts (default: mxfp4 for kimi_k3)")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "matmul weights' dtype")
-flags.DEFINE_enum("text_prefix", "auto", ["auto", "language_model", "bare"],
-                  "text tensor names (auto: language_model.* with a vision tower)")
-flags.DEFINE_bool("mtp", False, "include the MTP layer (k3jax_mtp.*; the release has none)")
-flags.DEFINE_bool("count", False, "print only the tensor count and total bytes")
+
+
+def define_flags() -> None:
+  """Registers the tool's flags, only when it runs as a script (importing it must not
+  clash with other entry points that define --preset)."""
+  flags.DEFINE_string("preset", None, "a ModelConfig preset (k3, tiny, tiny_multimodal, …)")
+  flags.DEFINE_string("config_json", None, "or a config.json (Hugging Face / release layout)")
+  flags.DEFINE_enum("arch", None, ["kimi_linear", "kimi_k3"],
+    "target layout (default: kimi_k3 when the config uses any K3 feature)")
+  flags.DEFINE_enum("expert_format", None, ["mxfp4", "bf16"],
+    "routed experts (default: mxfp4 for kimi_k3)")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "matmul weights' dtype")
+  flags.DEFINE_enum("text_prefix", "auto", ["auto", "language_model", "bare"],
+    "text tensor names (auto: language_model.* with a vision tower)")
+  flags.DEFINE_bool("mtp", False, "include the MTP layer (k3jax_mtp.*; the release has none)")
+  flags.DEFINE_bool("count", False, "print only the tensor count and total bytes")
+
 
 PREFIX = {"auto": None, "language_model": "language_model.", "bare": ""}
 
@@ -82,4 +88,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
