@@ -20,6 +20,15 @@ from k3jax.convert.safetensors_io import write_file
 from k3jax.quant import mx
 
 
+def flat(tree, prefix=()):
+  """(path tuple, numpy array) of every leaf of a nested dict, in iteration order."""
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from flat(v, prefix + (k,))
+  else:
+    yield prefix, np.asarray(tree)
+
+
 def random_variables(config: ModelConfig, seed: int = 0) -> dict:
   """Random float32 numpy leaves for every variable of K3Model(config) (shapes from
   jax.eval_shape, so nothing is compiled): unit-scale projections, norms ≈ 1, A_log in

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from convert_helpers import random_variables, write_k3_checkpoint
+from convert_helpers import flat, random_variables, write_k3_checkpoint
 from experiments.score import token_logprobs
 from k3jax.config import preset
 from k3jax.convert import convert, export
@@ -22,16 +22,8 @@ from k3jax.train.checkpoint import load_pretrained
 QUIET = dict(progress=False, log=lambda s: None)
 
 
-def _flat(tree, prefix=()):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _flat(v, prefix + (k,))
-  else:
-    yield prefix, np.asarray(tree)
-
-
 def _assert_trees_equal(a, b):
-  fa, fb = dict(_flat(a)), dict(_flat(b))
+  fa, fb = dict(flat(a)), dict(flat(b))
   assert sorted(fa) == sorted(fb)
   for k in fa:
     np.testing.assert_array_equal(fa[k], fb[k], err_msg="/".join(k))

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from convert_helpers import random_variables, write_k3_checkpoint
+from convert_helpers import flat, random_variables, write_k3_checkpoint
 from k3jax import hf_config
 from k3jax.config import preset
 from k3jax.convert import convert, export
@@ -25,19 +25,11 @@ from k3jax.train.checkpoint import load_pretrained
 L0 = "layers.0.self_attn."   # a KDA layer
 
 
-def _flat(tree, prefix=()):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _flat(v, prefix + (k,))
-  else:
-    yield prefix, np.asarray(tree)
-
-
 def _split_mtp(tree):
   """(flat leaves outside `mtp`, flat leaves of `mtp`) of a variables tree."""
-  flat = dict(_flat(tree))
-  return ({k: v for k, v in flat.items() if k[1] != "mtp"},
-          {k: v for k, v in flat.items() if k[1] == "mtp"})
+  leaves = dict(flat(tree))
+  return ({k: v for k, v in leaves.items() if k[1] != "mtp"},
+          {k: v for k, v in leaves.items() if k[1] == "mtp"})
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +44,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def fresh(tiny):
   """The MTP layer K3Model.init makes for `tiny` with seed 0 (flat, keyed without 'mtp')."""
-  return dict(_flat(pipeline.fresh_mtp(tiny[0], 0)))
+  return dict(flat(pipeline.fresh_mtp(tiny[0], 0)))
 
 
 def _logs():
@@ -125,8 +117,8 @@ def test_export_default_spelling_and_mtp_flag(tiny, tmp_path):
   _, got = load_pretrained(convert(with_mtp, tmp_path / "again",
                                    kda_chunk_size=config.kda_chunk_size, **kw))
   assert not [l for l in lines if l.startswith("MTP:")]
-  for k, v in dict(_flat(variables)).items():
-    np.testing.assert_array_equal(dict(_flat(jax.tree.map(np.asarray, got)))[k], v,
+  for k, v in dict(flat(variables)).items():
+    np.testing.assert_array_equal(dict(flat(jax.tree.map(np.asarray, got)))[k], v,
                                   err_msg="/".join(k))
 
 

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert_helpers import moonvit_v2_tensors, random_variables, write_k3_checkpoint
+from convert_helpers import flat, moonvit_v2_tensors, random_variables, write_k3_checkpoint
 from k3jax.config import preset
 from k3jax.convert import convert, export
 from k3jax.convert.safetensors_io import Source, write_file
@@ -28,16 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _flat(tree, prefix=()):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _flat(v, prefix + (k,))
-  else:
-    yield prefix, np.asarray(tree)
-
-
 def _assert_trees_equal(a, b):
-  fa, fb = dict(_flat(a)), dict(_flat(b))
+  fa, fb = dict(flat(a)), dict(flat(b))
   assert sorted(fa) == sorted(fb)
   for k in fa:
     assert fa[k].dtype == fb[k].dtype, "/".join(k)
