@@ -43,7 +43,6 @@ _KEEP_ALLOCS = flags.DEFINE_bool(
     "page-faulted afresh every call (k3jax.runtime.keep_cpu_allocations; a no-op without "
     "glibc). Off by default: the `small` CPU training step measured 10-15% slower with it "
     "(one arena for all of XLA's threads), unlike the KDA op benchmark (faster).")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def run_mesh(cfg):
@@ -81,4 +80,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Required only when run as a script: a validator on the global FLAGS would
+  # also reject other entry points' flags parsed in the same process.
+  flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)

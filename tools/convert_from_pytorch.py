@@ -55,7 +55,6 @@ flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
 flags.DEFINE_integer("mtp_seed", 0, "seed of the fresh MTP layer when the source has none")
 flags.DEFINE_bool("drop_mtp", False, "convert without the config's MTP layer (num_mtp_layers=0) "
                   "instead of initialising a fresh one")
-flags.mark_flags_as_required(["src"])
 
 
 def main(argv):
@@ -85,4 +84,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Required only when run as a script: a validator on the global FLAGS would
+  # also reject other entry points' flags parsed in the same process.
+  flags.mark_flags_as_required(["src"])
   app.run(main)

@@ -42,7 +42,6 @@ flags.DEFINE_enum("text_prefix", "auto", ["auto", "language_model", "bare"],
                   "a vision tower)")
 flags.DEFINE_bool("mtp", False, "also write the MTP layer, under k3jax_mtp.* (not a release name)")
 flags.DEFINE_bool("progress", True, "show a progress bar")
-flags.mark_flags_as_required(["src", "dst"])
 PREFIX = {"auto": None, "language_model": "language_model.", "bare": ""}
 
 
@@ -57,4 +56,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Required only when run as a script: a validator on the global FLAGS would
+  # also reject other entry points' flags parsed in the same process.
+  flags.mark_flags_as_required(["src", "dst"])
   app.run(main)

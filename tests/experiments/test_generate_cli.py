@@ -8,6 +8,9 @@ import pytest
 from absl import flags
 
 from experiments import generate as cli
+# Imported beside generate on purpose: pytest workers import several entry points into one
+# process, so their flags share FLAGS (train's --config/--workdir must not be required here).
+from experiments import train as _train  # noqa: F401
 
 FLAGS = flags.FLAGS
 
