@@ -2,10 +2,12 @@
 deterministic hypothesis profile."""
 
 import os
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -16,9 +18,18 @@ settings.load_profile("k3jax")
 _TIMES = os.environ.get("K3JAX_TEST_TIMES")
 
 
-def pytest_runtest_logreport(report):
-  """With K3JAX_TEST_TIMES=FILE, append "seconds phase test-id" per test phase as it ends
-  (partial results survive an interrupted run; `sort -rn FILE | head` finds the slow ones)."""
-  if _TIMES and report.duration >= 1.0:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With K3JAX_TEST_TIMES=FILE, append "cpu_s wall_s test-id" per test (setup, call and
+  teardown) as it ends, in the process that ran it. CPU seconds of the process (all threads)
+  rank tests fairly on a loaded machine; partial results survive an interrupted run:
+  `sort -rn FILE | head -40` lists the costly ones."""
+  if not _TIMES:
+    yield
+    return
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  yield
+  cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+  if wall >= 1.0:
     with open(_TIMES, "a") as f:
-      f.write(f"{report.duration:8.1f} {report.when:8s} {report.nodeid}\n")
+      f.write(f"{cpu:8.1f} {wall:8.1f} {item.nodeid}\n")

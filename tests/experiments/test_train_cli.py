@@ -17,7 +17,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = ["--config.model.num_layers=4", "--config.train.batch_size=4",
+FLAGS = ["--config.model.num_layers=2", "--config.model.num_mtp_layers=0", "--config.train.batch_size=4",
          "--config.train.seq_len=32", "--config.train.log_every=1",
          "--config.train.eval_every=0", "--config.train.checkpoint_every=3",
          "--config.train.progress=False", "--config.train.peak_flops=1e11",

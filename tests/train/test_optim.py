@@ -246,9 +246,11 @@ def test_vision_tower_wqkv_and_wo_are_orthogonalised_per_head():
   assert optim.param_label("params/vision_tower/patch_embed/pos_emb/weight", (8, 8, 32)) == "adam"
 
   from k3jax.train.step import init_variables
-  v = init_variables(preset("tiny_multimodal"), jax.random.PRNGKey(0))
+  v = init_variables(preset("tiny_multimodal", num_layers=2, num_mtp_layers=0),
+                     jax.random.PRNGKey(0))
   tx = optim.make_optimizer(1e-2)
-  upd, _ = tx.update({"params": v["params"], "balance": v["balance"]}, tx.init(v), v)
+  # Jitted: one compile instead of eager dispatch (a compile per op shape) over every leaf.
+  upd, _ = jax.jit(tx.update)({"params": v["params"], "balance": v["balance"]}, tx.init(v), v)
   u = upd["params"]["vision_tower"]["encoder"]["blocks_1"]["wqkv"]["kernel"]
   assert u.shape == (32, 3, 2, 16) and float(jnp.abs(u).max()) > 0
 

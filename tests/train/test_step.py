@@ -10,7 +10,7 @@ from k3jax.config import preset
 from k3jax.train import data as D
 from k3jax.train.step import create_state, make_train_step
 
-CFG = preset("tiny", num_layers=4)   # KDA ×3 + MLA, dense + MoE, MTP
+CFG = preset("tiny", num_layers=2, mla_every=2)   # KDA (dense) + MLA (MoE), MTP
 
 
 def _batch(b=4, t=16, seed=0):
