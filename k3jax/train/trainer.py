@@ -13,6 +13,10 @@ image–caption corpus of k3jax/train/shapes.py, whose batches carry a `Media` t
 to the model, optionally interleaved with text rows (`data.text_fraction`); its evaluations
 also log `eval_loss_shuffled` (the held-out captions with each other's images).
 
+SFT (`data.source="sft"`, k3jax/train/sft.py): packed chat conversations trained on their
+assistant tokens; `train.init=CKPT` starts a fresh run from a checkpoint's params (a fresh
+optimizer; a resumed run restores its own checkpoint instead).
+
 Sharding: `train(..., mesh=m)` runs the step sharded over `m` (k3jax/train/sharded.py's
 `build_step`, which places each host batch); without a mesh the step is jitted on one device
 with the state donated.
@@ -110,6 +114,7 @@ def _signature(cfg) -> dict:
 
 # ---------------------------------------------------------------------- data
 SHAPES = "shapes"
+SFT = "sft"
 
 
 def make_data(cfg, config: ModelConfig, curriculum=()):
@@ -123,6 +128,10 @@ def make_data(cfg, config: ModelConfig, curriculum=()):
   """
   t, d = cfg.train, cfg.data
   n_eval = t.get("eval_batches", 2) if t.eval_every else 0
+  if d.source == SFT:          # chat conversations, loss on assistant tokens (train/sft.py)
+    from k3jax.train import sft
+    it, evals = sft.make_data(cfg, n_eval)
+    return it, evals, []
   if d.source != SHAPES:
     corpus = data_lib.load_corpus(d.source, d.eval_percent, config.vocab_size)
     it = data_lib.DataIterator(corpus, t.batch_size, t.seq_len, cfg.seed, curriculum)
@@ -194,6 +203,8 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
   state = create_state(config, rng, tx)
   restored = ckpt.restore_latest(config, state.variables, state.opt_state)
   start = 0
+  if restored is None and t.get("init", ""):
+    state = init_from(t.init, config, state, tx)
   if restored is not None:
     start, variables, opt_state, meta = restored
     state = TrainState(step=jnp.asarray(start, jnp.int32), params=variables["params"],
@@ -265,6 +276,26 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
     writer.close()
     ckpt.close()
   return records
+
+
+def init_from(path: str, config: ModelConfig, state: TrainState, tx) -> TrainState:
+  """`train.init`: a fresh run starts from the params and router biases of checkpoint `path`
+  (any directory `load_pretrained` reads) with a fresh optimizer state; the checkpoint's model
+  config must equal the run's (ValueError listing the differing fields)."""
+  from k3jax.train.checkpoint import config_diff, load_pretrained
+  saved, variables = load_pretrained(path)
+  diff = config_diff(config, saved)
+  if diff:
+    raise ValueError(f"config.train.init: {path} was written for another model config; "
+                     f"differing fields (run, checkpoint): {diff}")
+  shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state.variables)
+  variables = {k: variables.get(k, {}) for k in ("params", "balance")}
+  if jax.tree.map(lambda x: (x.shape, x.dtype), variables) != shapes:
+    raise ValueError(f"config.train.init: the variables of {path} do not match the model's "
+                     f"(names, shapes or dtypes)")
+  log.info("initialised from %s", path)
+  return TrainState(step=state.step, params=variables["params"], balance=variables["balance"],
+                    opt_state=tx.init(variables))
 
 
 def _check_signature(ckpt: Checkpointer, cfg) -> None:

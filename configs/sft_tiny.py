@@ -1,0 +1,30 @@
+"""`sft_tiny`: supervised fine-tuning of a `tiny` model (4 layers) on chat conversations —
+the embedded procedural tasks (k3jax/train/sft_tasks.py) unless data.sft_file names a JSONL
+file (schema: k3jax/train/sft.py). Seconds to minutes on a CPU; tests and smoke runs.
+
+python -m experiments.sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny [--init=CKPT]
+
+data.sft_num_train / data.sft_num_eval: samples of the embedded tasks (cfg.seed);
+train.init: a checkpoint to start from (fresh optimizer), "" = random init.
+"""
+
+from k3jax.train.trainer import base_config
+
+
+def get_config():
+  c = base_config("tiny")
+  c.model.num_layers = 4
+  c.train.steps = 300
+  c.train.batch_size = 8
+  c.train.seq_len = 352          # the longest calculator conversation (330 tokens) fits
+  c.train.checkpoint_every = 100
+  c.train.eval_every = 100
+  c.train.eval_batches = 2
+  c.train.log_every = 10
+  c.train.init = ""
+  c.optim.lr = 3e-3
+  c.data.source = "sft"
+  c.data.sft_file = ""
+  c.data.sft_num_train = 20000
+  c.data.sft_num_eval = 256
+  return c
