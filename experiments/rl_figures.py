@@ -32,6 +32,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", 30, "RL rounds of the reward/budget fig
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "Cold-start supervised steps.")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA).")
 _DOMAINS = flags.DEFINE_string("domains", "arith", "Comma-separated task domains.")
+_LR = flags.DEFINE_float("lr", 2e-3, "RL learning rate (reward/budget figures).")
 
 
 def _write(out: pathlib.Path, name: str, obj: dict) -> None:
@@ -46,7 +47,8 @@ def _write(out: pathlib.Path, name: str, obj: dict) -> None:
 
 def _flags() -> dict:
   return {"figure": _FIGURE.value, "out": _OUT.value, "rounds": _ROUNDS.value,
-          "sft_steps": _SFT_STEPS.value, "layers": _LAYERS.value, "domains": _DOMAINS.value}
+          "sft_steps": _SFT_STEPS.value, "layers": _LAYERS.value, "domains": _DOMAINS.value,
+          "lr": _LR.value}
 
 
 def _cfg():
@@ -57,6 +59,7 @@ def _cfg():
   c.rl.domains = tuple(_DOMAINS.value.split(","))
   c.rl.update(dict(rounds=_ROUNDS.value, n_prompts=8, k=4, max_new_tokens=16))
   c.train.steps = _ROUNDS.value
+  c.optim.lr = _LR.value
   return c
 
 
