@@ -1,0 +1,71 @@
+"""RL from a k3jax checkpoint: partial rollouts, task rewards with effort budgets, MOPD from
+per-(domain, effort) teachers, Per-Head Muon + QB updates (docs/notes/rl.md).
+
+python -m experiments.rl --config=configs/rl_tiny.py --policy=CKPT \
+    --teachers=arith:low=CKPT_A,sort:high=CKPT_B --out=runs/rl
+
+Teachers are k3jax checkpoints of any config sharing the policy's vocabulary; prompts without
+a teacher get no MOPD term. Writes OUT/metrics.jsonl (one line per round), OUT/summary.json
+and, with --save, the final policy as a checkpoint under OUT/policy.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "RL config (configs/rl_tiny.py).",
+                                          lock_config=True)
+_POLICY = flags.DEFINE_string("policy", None, "Initial policy checkpoint (load_pretrained).")
+_TEACHERS = flags.DEFINE_string("teachers", "",
+                                "domain:effort=CKPT,... (MOPD teachers; empty: none).")
+_OUT = flags.DEFINE_string("out", "runs/rl", "Output directory.")
+_SAVE = flags.DEFINE_bool("save", True, "Save the final policy under OUT/policy.")
+
+
+def parse_teachers(spec: str) -> dict[tuple[str, str], str]:
+  """"d1:e1=PATH,d2:e2=PATH" → {(d1, e1): PATH, ...}; a malformed entry names itself."""
+  from k3jax.rl.tasks import DOMAINS, EFFORTS
+  out = {}
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    key, sep, path = item.partition("=")
+    d, colon, e = key.partition(":")
+    if not sep or not colon or not path:
+      raise ValueError(f"--teachers: expected domain:effort=CKPT, found {item!r}")
+    if d not in DOMAINS or e not in EFFORTS:
+      raise ValueError(f"--teachers: {item!r}: domain must be one of {DOMAINS} and effort one "
+                       f"of {EFFORTS}")
+    if (d, e) in out:
+      raise ValueError(f"--teachers: {d}:{e} given twice")
+    out[d, e] = path
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  import pathlib
+
+  from k3jax.rl import loop
+  from k3jax.rl.rewards import Teachers
+  from k3jax.train.checkpoint import load_pretrained, save_pretrained
+
+  cfg = _CONFIG.value
+  config, variables = load_pretrained(_POLICY.value)
+  teachers = None
+  spec = parse_teachers(_TEACHERS.value)
+  if spec:
+    teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.vocab_size)
+  history, state = loop.run(cfg, config, variables, teachers=teachers, out_dir=_OUT.value)
+  if _SAVE.value:
+    save_pretrained(pathlib.Path(_OUT.value) / "policy", config, state.variables,
+                    step=int(state.step))
+  trained = [h for h in history if "reward" in h]
+  if trained:
+    print(f"rounds {len(history)}: last reward {trained[-1]['reward']:.3f}, length "
+          f"{trained[-1]['length']:.1f}, mismatch {trained[-1]['mismatch']:.2e}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "policy"])
+  app.run(main)

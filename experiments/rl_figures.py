@@ -1,0 +1,189 @@
+"""Measurements of the RL stage on a tiny model (docs/notes/rl.md), each written as JSON.
+
+python -m experiments.rl_figures --figure=all --out=runs/rl_figures
+
+  cold_start  a short supervised warm-up of the policy on correct responses with 0–8 filler
+              dots (k3jax/rl/tasks.py `sft_response`) through the pre-training step; saved as
+              OUT/cold_start (a checkpoint experiments/rl.py takes as --policy).
+  mismatch    max |rollout − trainer| log-prob of sampled tokens, model in fp32 and in bf16.
+  partial     wall time per round of partial rollouts (λ < 1) vs waiting for all (λ = 1) on
+              trajectories whose lengths follow a long-tailed (Pareto) distribution, fixed
+              parameters, same number of rounds.
+  reward      RL rounds from the cold start without budget: mean reward per round.
+  budget      the same with the effort budget (τ annealed): length and reward per round.
+Every figure writes OUT/<figure>.json with its settings and the command's date.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import time
+
+from absl import app, flags
+
+_FIGURE = flags.DEFINE_enum("figure", "all",
+                            ["all", "cold_start", "mismatch", "partial", "reward", "budget"],
+                            "Which measurement.")
+_OUT = flags.DEFINE_string("out", "runs/rl_figures", "Output directory.")
+_ROUNDS = flags.DEFINE_integer("rounds", 30, "RL rounds of the reward/budget figures.")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "Cold-start supervised steps.")
+_LAYERS = flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA).")
+_DOMAINS = flags.DEFINE_string("domains", "arith", "Comma-separated task domains.")
+_LR = flags.DEFINE_float("lr", 2e-3, "RL learning rate (reward/budget figures).")
+
+
+def _write(out: pathlib.Path, name: str, obj: dict) -> None:
+  obj = {"figure": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"), "command": "python -m experiments.rl_figures " + " ".join(
+          f"--{k}={v}" for k, v in _flags().items()), **obj}
+  tmp = out / f"{name}.json.tmp"
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, out / f"{name}.json")
+  print(f"wrote {out / name}.json")
+
+
+def _flags() -> dict:
+  return {"figure": _FIGURE.value, "out": _OUT.value, "rounds": _ROUNDS.value,
+          "sft_steps": _SFT_STEPS.value, "layers": _LAYERS.value, "domains": _DOMAINS.value,
+          "lr": _LR.value}
+
+
+def _cfg():
+  from configs.rl_tiny import get_config
+  c = get_config()
+  c.model.update(dict(num_layers=_LAYERS.value, mla_every=max(2, min(4, _LAYERS.value)),
+                      attn_res_block_size=None if _LAYERS.value < 4 else 2))
+  c.rl.domains = tuple(_DOMAINS.value.split(","))
+  c.rl.update(dict(rounds=_ROUNDS.value, n_prompts=8, k=4, max_new_tokens=16))
+  c.train.steps = _ROUNDS.value
+  c.optim.lr = _LR.value
+  return c
+
+
+def cold_start(out: pathlib.Path):
+  """(config, variables) after the supervised warm-up (trained once, then reloaded)."""
+  import jax
+  import numpy as np
+  from k3jax.rl import tasks
+  from k3jax.train.checkpoint import load_pretrained, save_pretrained
+  from k3jax.train.sharded import build_step
+  from k3jax.train.step import create_state
+  from k3jax.train.trainer import model_config
+
+  path = out / "cold_start"
+  if path.exists():
+    return load_pretrained(path)
+  c = _cfg()
+  config = model_config(c)
+  c.train.steps = _SFT_STEPS.value
+  c.optim.update(dict(lr=3e-3, warmup_frac=0.05, final_lr_frac=0.1))
+  step = build_step(c, config)
+  state = create_state(config, jax.random.PRNGKey(c.seed), step.tx)
+  sampler = tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=1234)
+  rng = np.random.default_rng(0)
+  batch, width = 32, c.rl.max_prompt_len + c.rl.max_new_tokens
+  losses, t0 = [], time.perf_counter()
+  for s in range(_SFT_STEPS.value):
+    rows = np.zeros((batch, width + 1), np.int32)
+    mask = np.zeros((batch, width), np.float32)
+    for i, t in enumerate(sampler.sample(batch)):
+      resp = list(tasks.encode(tasks.sft_response(t, rng))) + [tasks.STOP_TOKEN]
+      seq = list(t.tokens) + resp
+      rows[i, :len(seq)] = seq
+      mask[i, len(t.tokens) - 1:len(seq) - 1] = 1     # predict the response tokens only
+    b = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": mask,
+         "segment_ids": np.zeros((batch, width), np.int32)}
+    state, m = step.train(state, b)
+    if s % 50 == 0 or s == _SFT_STEPS.value - 1:
+      losses.append((s, float(m["loss"])))
+      print(f"cold start step {s}: loss {float(m['loss']):.3f}")
+  save_pretrained(path, config, state.variables)
+  _write(out, "cold_start", {"steps": _SFT_STEPS.value, "batch": batch, "loss": losses,
+                             "seconds": time.perf_counter() - t0})
+  return load_pretrained(path)
+
+
+def mismatch(out: pathlib.Path, config, variables):
+  import jax
+  from k3jax.rl import logprobs as L, rollout as R, tasks
+  c = _cfg()
+  width = c.rl.max_prompt_len + c.rl.max_new_tokens
+  prompts = [t.tokens for t in tasks.TaskSampler(c.rl.domains, seed=7).sample(32)]
+  res = {}
+  for dtype in ("float32", "bfloat16"):
+    cfg = config.replace(dtype=dtype)
+    o = R.rollout(cfg, variables, prompts, c.rl.max_new_tokens, key=jax.random.PRNGKey(3),
+                  width=width, stop_tokens=[tasks.STOP_TOKEN])
+    seqs, plens = R.sequences(prompts, [o.row(b)[0] for b in range(len(prompts))], width)
+    lp = L.token_logprobs(cfg, variables, seqs, plens, o.tokens.shape[1])
+    res[dtype] = {"max_abs": L.mismatch(o.logprobs, lp, o.lengths),
+                  "tokens": int(o.lengths.sum())}
+    print(dtype, res[dtype])
+  _write(out, "mismatch", {"prompts": len(prompts), "params": "fp32 masters", **res})
+
+
+def partial(out: pathlib.Path, config, variables):
+  import jax
+  import numpy as np
+  from k3jax.rl import tasks
+  from k3jax.rl.partial import PartialRollout
+  c = _cfg()
+  max_new = 64
+  width = c.rl.max_prompt_len + max_new
+
+  def pareto(task, rng):   # long tail: most short, a few at the cap
+    return int(min(max_new, 4 + np.floor(rng.pareto(1.2) * 4)))
+
+  res = {}
+  for lam in (1.0, 0.75, 0.5):
+    pool = PartialRollout(tasks.TaskSampler(c.rl.domains, seed=11), n_prompts=8, k=4, lam=lam,
+                          max_new_tokens=max_new, width=width, stop_tokens=(),
+                          temperature=1.0, limit_fn=pareto, seed=0)
+    pool.round(config, variables, 0, jax.random.PRNGKey(0))   # compile
+    secs, steps, done, toks = [], [], 0, 0
+    for r in range(12):
+      groups, st = pool.round(config, variables, 0, jax.random.PRNGKey(r + 1))
+      secs.append(st.seconds)
+      steps.append(st.steps)
+      done += st.finished
+      toks += st.new_tokens
+    res[f"lam={lam}"] = {"round_seconds_mean": float(np.mean(secs)),
+                         "round_seconds": secs, "decode_steps": steps,
+                         "finished_per_s": done / sum(secs), "tokens_per_s": toks / sum(secs)}
+    print(lam, res[f"lam={lam}"]["round_seconds_mean"], res[f"lam={lam}"]["finished_per_s"])
+  _write(out, "partial", {"n_prompts": 8, "k": 4, "rounds": 12, "max_new_tokens": max_new,
+                          "lengths": "min(64, 4 + floor(4·Pareto(1.2)))", **res})
+
+
+def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
+  from k3jax.rl import loop
+  c = _cfg()
+  c.budget.enabled = budget
+  c.budget.update(dict(tau_start=1.2, tau_end=0.6, anneal_rounds=max(1, _ROUNDS.value // 2)))
+  t0 = time.perf_counter()
+  hist, _ = loop.run(c, config, variables, out_dir=out / name)
+  _write(out, name, {"budget": dict(c.budget), "rl": dict(c.rl), "loss": dict(c.loss),
+                     "lr": c.optim.lr, "seconds": time.perf_counter() - t0, "rounds": hist})
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(_OUT.value)
+  out.mkdir(parents=True, exist_ok=True)
+  fig = _FIGURE.value
+  config, variables = cold_start(out)
+  if fig in ("all", "mismatch"):
+    mismatch(out, config, variables)
+  if fig in ("all", "partial"):
+    partial(out, config, variables)
+  if fig in ("all", "reward"):
+    rl_run(out, "reward", config, variables, budget=False)
+  if fig in ("all", "budget"):
+    rl_run(out, "budget", config, variables, budget=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
