@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from k3jax.config import preset
-from k3jax.layers.moe import StableLatentMoE
 from k3jax.ops import moe as moe_ops
 from k3jax.quant import mx, qat
 
@@ -141,15 +140,23 @@ def _qat_reference(x, weights, indices, w1, w3, w2):
   return _stage2(hq, w2q, weights, indices), (xq, w1q, w3q, w2q, hq)
 
 
-# Every path of ops.moe (the Pallas grouped matmul is checked on the layer below): each
-# returns (y, dropped) and must drop nothing here.
+# Every path of ops.moe, the Pallas grouped matmul interpreted on CPU: each returns
+# (y, dropped) and must drop nothing here.
 CAP = 16
+
+
+def _pallas(*a, **kw):
+  from pallas_kernels.moe_gmm import gmm
+  return moe_ops.expert_mlp(*a, gmm=gmm, **kw)
+
+
 PATHS = {
     "reference": lambda *a: moe_ops.expert_mlp_reference(*a, input_quant="mxfp8"),
     "sort_tiled": lambda *a: moe_ops.expert_mlp(*a, input_quant="mxfp8"),
     "sort_buffer": lambda *a: moe_ops.expert_mlp(*a, capacity=CAP, input_quant="mxfp8"),
     "grouped_xla": lambda *a: moe_ops.expert_mlp(*a, gmm=moe_ops.ragged_gmm,
                                                  input_quant="mxfp8"),
+    "grouped_pallas": lambda *a: _pallas(*a, input_quant="mxfp8"),
 }
 
 
@@ -158,18 +165,23 @@ def test_qat_expert_mlp_every_path_equals_quantised_reference(problem):
   assert moe_ops.sort_layout(N, K, E, None)[0] == "tiled"
   assert moe_ops.sort_layout(N, K, E, CAP)[0] == "buffer"
   want, _ = _qat_reference(*problem)
-  fq = qat.fake_mxfp4_expert
-  for name, fn in PATHS.items():
-    got, dropped = jax.jit(fn)(x, weights, indices, fq(w1), fq(w3), fq(w2))
+
+  @jax.jit
+  def run(x, weights, indices, w1, w3, w2):   # one compile for every path
+    ws = [qat.fake_mxfp4_expert(w) for w in (w1, w3, w2)]
+    out = {name: fn(x, weights, indices, *ws) for name, fn in PATHS.items()}
+    # The packed form of the same weights (what serving holds).
+    packed = [moe_ops.MXFP4Weight(*mx.pack_expert(w)) for w in (w1, w3, w2)]
+    out["packed"] = moe_ops.expert_mlp(x, weights, indices, *packed, input_quant="mxfp8")
+    out["plain"] = moe_ops.expert_mlp_reference(x, weights, indices, w1, w3, w2)
+    return out
+
+  out = run(*problem)
+  plain = out.pop("plain")[0]
+  for name, (got, dropped) in out.items():
     assert int(dropped) == 0, name
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg=name)
-  # The packed form of the same weights (what serving holds) gives the same result.
-  packed = [moe_ops.MXFP4Weight(*mx.pack_expert(w)) for w in (w1, w3, w2)]
-  got = jax.jit(lambda *a: moe_ops.expert_mlp(*a, input_quant="mxfp8")[0])(
-      x, weights, indices, *packed)
-  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6, err_msg="packed")
   # The quantisation is real: without it the result differs by far more than the tolerance.
-  plain = moe_ops.expert_mlp_reference(x, weights, indices, w1, w3, w2)[0]
   assert float(jnp.max(jnp.abs(plain - want))) > 1e-2
 
 
@@ -184,7 +196,15 @@ def test_qat_gradients_pass_straight_through(problem):
     y = moe_ops.expert_mlp(x_, p_, indices, fq(a1), fq(a3), fq(a2), input_quant="mxfp8")[0]
     return jnp.sum(c * y)
 
-  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, w1, w3, w2)
+  # Weights alone as well: the gradient at w is the unquantised op's gradient at q(w).
+  plain = lambda a1: jnp.sum(c * moe_ops.expert_mlp(x, weights, indices, a1, w3, w2)[0])
+
+  @jax.jit
+  def grads(x_, p_, a1, a3, a2):   # one compile
+    return (jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x_, p_, a1, a3, a2),
+            jax.grad(lambda a: plain(fq(a)))(a1), jax.grad(plain)(fq(a1)))
+
+  got, g_qat, g_plain = grads(x, weights, w1, w3, w2)
   _, (xq, w1q, w3q, w2q, hq) = _qat_reference(*problem)
   _, vjp2 = jax.vjp(lambda h, a2, p_: _stage2(h, a2, p_, indices), hq, w2q, weights)
   d_hq, d_w2, d_p = vjp2(c)
@@ -192,82 +212,102 @@ def test_qat_gradients_pass_straight_through(problem):
   d_x, d_w1, d_w3 = vjp1(d_hq)
   for name, g, r in zip(("x", "weights", "w1", "w3", "w2"), got, (d_x, d_p, d_w1, d_w3, d_w2)):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
-  # Weights alone: the gradient at w is the unquantised op's gradient at q(w).
-  plain = lambda a1: jnp.sum(c * moe_ops.expert_mlp(x, weights, indices, a1, w3, w2)[0])
-  g_qat = jax.jit(jax.grad(lambda a1: plain(fq(a1))))(w1)
-  np.testing.assert_allclose(g_qat, jax.jit(jax.grad(plain))(fq(w1)), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(g_qat, g_plain, rtol=1e-6, atol=1e-7)
 
 
-# ------------------------------------------------------------------ the layer and the model
-def _captured(cfg, v, x):
-  y, state = jax.jit(lambda v_, x_: StableLatentMoE(cfg).apply(
-      v_, x_, capture_intermediates=True))(v, x)
-  return y, state["intermediates"]
+# ------------------------------------------------------------------ the model
+TOKENS = [[5, 9, 11, 3, 7, 1, 2, 8], [7, 1, 4, 4, 200, 13, 5, 6]]
 
 
-def test_layer_quantises_only_the_routed_experts():
-  cfg = preset("tiny")
-  qcfg = cfg.replace(expert_qat="mxfp4_mxfp8")
-  x = jax.random.normal(jax.random.key(7), (2, 8, cfg.d_model))
-  v = nn.unbox(StableLatentMoE(cfg).init(jax.random.key(8), x))
-  y0, it0 = _captured(cfg, v, x)
-  y1, it1 = _captured(qcfg, v, x)
-  # Router, latent down projection and shared experts: same outputs with the flag.
-  for name in ("gate", "routed_expert_down_proj", "shared_experts"):
-    jax.tree.map(np.testing.assert_array_equal, it1[name], it0[name])
-  assert float(jnp.max(jnp.abs(y1 - y0))) > 1e-4   # the routed experts did change
-  # The routed path = the reference QAT expert MLP on the same z and routing, then the
-  # unquantised RMSNorm and W_up.
-  p = v["params"]
-  z = it1["routed_expert_down_proj"]["__call__"][0]
-  scores, bias = it1["gate"]["__call__"][0]
-  w, idx, _ = moe_ops.route(scores, bias, cfg.experts_per_token)
-  u = _qat_reference(z, w * cfg.routed_scaling_factor, idx,
-                     *(p["experts"][n] for n in ("w1", "w3", "w2")))[0]
-  norm = p["routed_expert_norm"]
-  u32 = u.astype(jnp.float32)
-  normed = u32 * jax.lax.rsqrt(jnp.mean(u32 * u32, -1, keepdims=True) + cfg.rms_norm_eps)
-  normed = normed * jax.tree.leaves(norm)[0]
-  np.testing.assert_allclose(it1["routed_expert_norm"]["__call__"][0], normed, rtol=1e-4,
-                             atol=1e-5)
-  up = jax.tree.leaves(p["routed_expert_up_proj"])[0]
-  np.testing.assert_allclose(it1["routed_expert_up_proj"]["__call__"][0],
-                             it1["routed_expert_norm"]["__call__"][0] @ up, rtol=1e-5, atol=1e-6)
-  # Every backend runs the same QAT layer.
-  y_pallas = jax.jit(StableLatentMoE(qcfg.replace(kernel_backend="pallas")).apply)(v, x)
-  np.testing.assert_allclose(y_pallas, y1, rtol=1e-5, atol=1e-5)
+def _flat(tree, prefix=""):
+  """{"a/b/c": leaf-tuple} of a captured-intermediates dict."""
+  out = {}
+  for k, x in tree.items():
+    if isinstance(x, dict):
+      out.update(_flat(x, f"{prefix}{k}/"))
+    else:
+      out[prefix + k] = x
+  return out
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
+  """2 layers (compile time: layer 0 KDA + dense MLP, layer 1 MLA + MoE), expert_qat on; the
+  params, and the logits and every module's output with and without the flag (one compile)."""
   from k3jax.model import K3Model
-  # 2 layers (compile time): layer 0 KDA + dense MLP, layer 1 MLA + MoE.
   cfg = preset("tiny", num_layers=2, moe_capacity_factor=None, expert_qat="mxfp4_mxfp8")
-  v = nn.unbox(jax.jit(K3Model(cfg).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
-  return cfg, v
+  toks = jnp.asarray(TOKENS)
+  v = nn.unbox(jax.jit(K3Model(cfg).init)(jax.random.key(0), toks[:, :4]))
+
+  @jax.jit
+  def forward(v_, t):
+    out = []
+    for c in (cfg, cfg.replace(expert_qat=None)):
+      logits, state = K3Model(c).apply(v_, t, capture_intermediates=True)   # [B, T, vocab]
+      out.append((logits, _flat(state["intermediates"])))
+    return out
+
+  return cfg, v, forward(v, toks)
+
+
+# Modules whose inputs do not depend on the routed experts in the 2-layer model: their outputs
+# must be bit-identical with and without the flag (a module that read expert_qat would differ).
+_BEFORE_EXPERTS = ("embed", "layers_0/", "layers_1/self_attn", "layers_1/input_layernorm",
+                   "layers_1/self_attention_res", "layers_1/post_attention_layernorm",
+                   "layers_1/block_sparse_moe/gate/", "layers_1/block_sparse_moe/shared_experts",
+                   "layers_1/block_sparse_moe/routed_expert_down_proj/",
+                   "layers_1/block_sparse_moe/experts/")
 
 
 def test_modules_outside_the_experts_are_untouched_by_the_flag(tiny_model):
-  """A model without MoE layers (attention, dense MLP, AttnRes, embedding, head) computes the
-  same logits with and without `expert_qat`."""
-  from k3jax.model import K3Model
-  cfg, _ = tiny_model
-  dense = cfg.replace(first_dense_layers=cfg.num_layers)
-  toks = jnp.asarray([[5, 9, 11, 3, 7, 1, 2, 8]])
-  v = nn.unbox(jax.jit(K3Model(dense).init)(jax.random.key(1), toks))
-  fwd = lambda c: jax.jit(lambda v_, t: K3Model(c).apply(v_, t))(v, toks)
-  a, b = fwd(dense), fwd(dense.replace(expert_qat=None))
-  jax.tree.map(np.testing.assert_array_equal, a, b)
+  """Attention (KDA, MLA), dense MLP, norms, AttnRes, embedding, router, latent down projection
+  and shared experts give the same outputs with the flag; the latent up projection and the head
+  apply their unquantised kernels; the routed experts do change."""
+  _, v, ((lq, iq), (lp, ip)) = tiny_model
+  assert set(iq) == set(ip)
+  compared = [k for k in iq if k.startswith(_BEFORE_EXPERTS)]
+  assert len(compared) > 20 and any(k.startswith("layers_0/mlp") for k in compared)
+  for k in compared:
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, err_msg=k), iq[k], ip[k])
+  p = v["params"]
+  moe = "layers_1/block_sparse_moe/"
+  np.testing.assert_allclose(iq[moe + "routed_expert_up_proj/__call__"][0],
+                             iq[moe + "routed_expert_norm/__call__"][0]
+                             @ p["layers_1"]["block_sparse_moe"]["routed_expert_up_proj"]["kernel"],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(iq["lm_head/__call__"][0],
+                             iq["norm/__call__"][0] @ p["lm_head"]["kernel"], rtol=1e-5,
+                             atol=1e-5)
+  assert float(jnp.max(jnp.abs(iq[moe + "__call__"][0] - ip[moe + "__call__"][0]))) > 1e-4
+  assert float(jnp.max(jnp.abs(lq - lp))) > 1e-4
+
+
+def test_qat_moe_layer_equals_quantised_reference(tiny_model):
+  """Inside the model, the routed path = the reference QAT expert MLP (ml_dtypes-quantised
+  weights and inputs) on the layer's z and routing, then the unquantised RMSNorm."""
+  cfg, v, ((_, iq), _) = tiny_model
+  p = v["params"]["layers_1"]["block_sparse_moe"]
+  moe = "layers_1/block_sparse_moe/"
+  z = iq[moe + "routed_expert_down_proj/__call__"][0]
+  scores, bias = iq[moe + "gate/__call__"][0]
+  w, idx, _ = moe_ops.route(scores, bias, cfg.experts_per_token)
+  u = _qat_reference(z, w * cfg.routed_scaling_factor, idx,
+                     *(p["experts"][n] for n in ("w1", "w3", "w2")))[0]
+  normed = u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.rms_norm_eps)
+  normed = normed * p["routed_expert_norm"]["weight"]
+  np.testing.assert_allclose(iq[moe + "routed_expert_norm/__call__"][0], normed, rtol=1e-4,
+                             atol=1e-5)
 
 
 def test_served_packed_model_is_the_qat_model(tiny_model):
-  """Packed MXFP4 experts + the config's MXFP8 inputs reproduce the QAT model's logits through
-  the serving forward (`generate.prefill`, with caches; decode steps are the same forward)."""
+  """Packed MXFP4 experts + the config's MXFP8 inputs, through the serving forward
+  (`generate.prefill`, with caches; decode steps run the same forward), give the QAT model's
+  logits."""
   from k3jax import generate as G
-  cfg, v = tiny_model
+  cfg, v, ((lq, _), _) = tiny_model
   served_cfg = cfg.replace(expert_format="mxfp4")
-  served_v = {**v, "params": mx.pack_expert_params(v["params"])}
-  toks, lengths = G.padded_prompts([[5, 9, 11, 3], [7, 1]])
-  logits = np.asarray(G.prefill(cfg, v, toks, lengths, max_len=16)[0])
-  served = np.asarray(G.prefill(served_cfg, served_v, toks, lengths, max_len=16)[0])
-  np.testing.assert_allclose(served, logits, rtol=1e-5, atol=1e-5 * np.abs(logits).max())
+  served_v = {**v, "params": jax.jit(mx.pack_expert_params)(v["params"])}
+  toks, lengths = G.padded_prompts(TOKENS)
+  served = np.asarray(G.prefill(served_cfg, served_v, toks, lengths)[0])
+  want = np.asarray(lq[:, -1])
+  np.testing.assert_allclose(served, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
