@@ -115,6 +115,16 @@ class ModelConfig:
   #           byte) + `weight_scale` uint8 (E8M0, one per 32 inputs), dequantised inside the
   #           expert matmul; not trainable (the optimizer refuses them unless experts are frozen).
   expert_format: Literal["bf16", "mxfp4"] = "bf16"
+  # Quantisation-aware training of the routed experts (spec §13, docs/notes/qat.md):
+  #   None           experts compute in the dtype they are stored in;
+  #   "mxfp4_mxfp8"  every routed expert matmul sees MXFP4 weights (the exporter's codes:
+  #                  float masters fake-quantised, or packed "mxfp4" experts as they are) and
+  #                  MXFP8 (E4M3, 32-value blocks) inputs — the input of w1/w3 and of w2 —
+  #                  with straight-through gradients (k3jax/quant/qat.py). Set it both to train
+  #                  (bf16 experts) and to serve (mxfp4 experts): the served path is then the
+  #                  trained forward. A k3jax-only field: the release's config.json stores no
+  #                  activation quantisation (§12), so hf_config neither reads nor writes it.
+  expert_qat: Literal["mxfp4_mxfp8"] | None = None
 
   def __post_init__(self):
     self.validate()
@@ -234,6 +244,14 @@ class ModelConfig:
         (self.latent_moe_dim or self.d_model) % 32 or self.moe_intermediate_size % 32):
       # MXFP4 blocks run 32 values along each expert matrix's input axis (ℓ or d, and F).
       bad("expert_format", f"'mxfp4' needs expert widths divisible by 32, found "
+          f"in={self.latent_moe_dim or self.d_model}, moe_intermediate_size="
+          f"{self.moe_intermediate_size}")
+    if self.expert_qat not in (None, "mxfp4_mxfp8"):
+      bad("expert_qat", f"expected None or 'mxfp4_mxfp8', found {self.expert_qat!r}")
+    if self.expert_qat is not None and self.num_experts and (
+        (self.latent_moe_dim or self.d_model) % 32 or self.moe_intermediate_size % 32):
+      # MX blocks run 32 values along every expert matmul's input axis (ℓ or d, and F).
+      bad("expert_qat", f"{self.expert_qat!r} needs expert widths divisible by 32, found "
           f"in={self.latent_moe_dim or self.d_model}, moe_intermediate_size="
           f"{self.moe_intermediate_size}")
     for f in ("dtype", "param_dtype"):

@@ -7,6 +7,12 @@
   classic: y_routed = Σ_i p_i E_i(x)
   y = y_routed + shared_experts(x)          shared: one MLP of width num_shared·F
 
+With `expert_qat="mxfp4_mxfp8"` (quantisation-aware training, spec §13, docs/notes/qat.md)
+every E_i sees MXFP4 weights (float masters fake-quantised by the exporter's quantiser; packed
+"mxfp4" experts are MXFP4 already) and MXFP8 inputs (z, and the gated activation before w2),
+straight-through gradients. The router, W_down, RMSNorm, W_up and the shared experts are never
+quantised.
+
 Sows into "stats": `load` [E] f32 (tokens per expert), `margin_hist` [E, qb_num_bins] int32
 (margins s − cutoff over config.qb_range), `dropped` [] int32 (tokens over capacity).
 """
@@ -150,11 +156,19 @@ class StableLatentMoE(nn.Module):
       u, dropped = jnp.zeros(z.shape, jnp.float32), 0
     else:
       # Packed (MXFP4Weight) experts stay packed: the expert op dequantises them in chunks.
+      # QAT fake-quantises float masters before the cast to the compute dtype, so that the
+      # codes are the ones the exporter writes from the masters (MXFP4 values are exact in bf16).
+      qat_kw = {}
+      if cfg.expert_qat is not None:
+        from k3jax.quant import qat
+        fq = qat.weight_quantizer(cfg.expert_qat)
+        w1, w3, w2 = (w if isinstance(w, tuple) else fq(w) for w in (w1, w3, w2))
+        qat_kw = dict(input_quant=qat.input_format(cfg.expert_qat))
       cast = lambda w: w if isinstance(w, tuple) else w.astype(compute)
       u, dropped = backend.expert_mlp_fn(cfg)(
           z, weights, indices.astype(jnp.int32), cast(w1), cast(w3), cast(w2),
           activation=cfg.activation, beta1=cfg.situ_beta1,
-          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t))
+          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t), **qat_kw)
     if latent:
       u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
           u.astype(jnp.float32))

@@ -19,6 +19,12 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
   This module never imports a kernel: an op that can run one takes it as an argument.
 - `expert_mlp_reference(...)`: every expert on every token, combined with a dense [N, E]
   weight matrix (slow, E/k times the needed FLOPs, obviously correct); tests and benchmarks.
+- `input_quant="mxfp8"` (every entry point): each expert matmul's input — x before w1/w3 and
+  the gated activation before w2 — fake-quantised to MXFP8 along its last axis with a
+  straight-through gradient (`quantized_inputs`, k3jax/quant/qat.py), in every path: the
+  quantiser acts per row and per 32-value block, so where a row sits (buffer, tile, sorted
+  rows, every expert at once) cannot change it. Quantisation-aware training (spec §13) adds
+  MXFP4 weights, which the caller passes (fake-quantised floats or `MXFP4Weight`s).
 - `MXFP4Weight(packed, scale)`: an expert matrix kept as the release's MXFP4 bytes
   (`ModelConfig.expert_format="mxfp4"`). Every w1/w3/w2 argument above may be one: the sorted
   path and `batched_experts` dequantise it inside the computation, a chunk of experts (or one
@@ -171,6 +177,17 @@ def activation_fn(activation: str, beta1: float = 4.0, beta2: float = 25.0):
   if activation == "swiglu":
     return swiglu
   raise ValueError(f"activation: expected 'situ' or 'swiglu', found {activation!r}")
+
+
+def quantized_inputs(x: Array, act, input_quant: str | None):
+  """(x, act) with the expert matmul inputs fake-quantised: x [N, D] along D, and the gated
+  activation's output (the input of w2) along F. input_quant: None (unchanged) or "mxfp8"."""
+  if input_quant is None:
+    return x, act
+  if input_quant != "mxfp8":
+    raise ValueError(f"input_quant: expected None or 'mxfp8', found {input_quant!r}")
+  from k3jax.quant.qat import fake_mxfp8
+  return fake_mxfp8(x), lambda a, b: fake_mxfp8(act(a, b))
 
 
 # --------------------------------------------------------------------------- routing
@@ -332,7 +349,8 @@ def _prepare(x, weights, indices, w1, w3, w2, activation, beta1, beta2):
 def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w2: Array, *,
                activation: Literal["situ", "swiglu"] = "situ", beta1: float = 4.0,
                beta2: float = 25.0, capacity: int | None = None,
-               gmm: GroupedMatmul | None = None) -> tuple[Array, Array]:
+               gmm: GroupedMatmul | None = None,
+               input_quant: str | None = None) -> tuple[Array, Array]:
   """Routed experts: y_i = Σ_j weights_ij · w2[e](act(x_i w1[e], x_i w3[e])), e = indices_ij.
 
   Args:
@@ -344,6 +362,7 @@ def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w
     capacity: rows per expert (see `capacity()`); None = dropless.
     gmm: None → the sorted dense-einsum path; a `GroupedMatmul` → expert-sorted rows through
       it (module docstring). Both compute the same function.
+    input_quant: None, or "mxfp8": both expert matmul inputs fake-quantised (module docstring).
 
   Returns:
     y [N, D] in x.dtype (combine: products in x.dtype, summed in fp32); dropped: int32
@@ -353,6 +372,7 @@ def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w
   _validate(x, weights, indices, w1, w3, w2, capacity, gmm)
   act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
                                                beta1, beta2)
+  x, act = quantized_inputs(x, act, input_quant)
   if gmm is None:
     return _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity)
   return _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity, gmm)
@@ -361,7 +381,8 @@ def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w
 def expert_mlp_reference(x: Array, weights: Array, indices: Array, w1: Array, w3: Array,
                          w2: Array, *, activation: Literal["situ", "swiglu"] = "situ",
                          beta1: float = 4.0, beta2: float = 25.0,
-                         capacity: int | None = None) -> tuple[Array, Array]:
+                         capacity: int | None = None,
+                         input_quant: str | None = None) -> tuple[Array, Array]:
   """`expert_mlp`'s function computed the obvious way: every expert on every token, then a
   dense [N, E] combine (E/k times the needed FLOPs). Same arguments and results; MXFP4Weight
   experts are dequantised whole first (the slow, obviously correct reading of the packed form)."""
@@ -369,6 +390,7 @@ def expert_mlp_reference(x: Array, weights: Array, indices: Array, w1: Array, w3
   w1, w3, w2 = (dense_experts(w, x.dtype) for w in (w1, w3, w2))
   act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
                                                beta1, beta2)
+  x, act = quantized_inputs(x, act, input_quant)
   return _expert_mlp_reference(x, weights, indices, w1, w3, w2, act, capacity)
 
 

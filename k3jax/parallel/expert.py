@@ -63,7 +63,8 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
                      beta2: float = 25.0, capacity_factor: float | None = None,
                      capacity: int | None = None, valid: Array | None = None,
                      axis_name: str = EXPERT,
-                     gmm: moe_ops.GroupedMatmul | None = None) -> tuple[Array, Array]:
+                     gmm: moe_ops.GroupedMatmul | None = None,
+                     input_quant: str | None = None) -> tuple[Array, Array]:
   """The expert-parallel routed MLP on one device's tokens; call inside shard_map.
 
   Args:
@@ -77,6 +78,8 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
     valid: [N] bool, False on padding rows (not counted in `dropped`); None: all rows real.
     gmm: None → the local experts run as batched einsums; a `moe_ops.GroupedMatmul` → they run
       through it (module docstring, step 3); packed experts always take the einsums.
+    input_quant: None, or "mxfp8": both expert matmul inputs fake-quantised
+      (`moe_ops.quantized_inputs`, per row, so before dispatch as in the unsharded op).
   Returns:
     y [N, D] in x.dtype (Σ_j weights_ij · E_{indices_ij}(x_i), dropped pairs contribute 0),
     dropped: int32 real pairs over capacity on this device (not yet summed over devices).
@@ -91,7 +94,8 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
   cap = (moe_ops.capacity(n, k, num_experts, capacity_factor) if capacity is None
          else max(1, min(n, capacity)))
   cdt = x.dtype
-  act = moe_ops.activation_fn(activation, beta1, beta2)
+  x, act = moe_ops.quantized_inputs(x, moe_ops.activation_fn(activation, beta1, beta2),
+                                   input_quant)
   buf, slot, keep = _dispatch(x, indices.astype(jnp.int32), num_experts, cap)
   # [E, C, D] = [ep (destination), E/ep, C, D] → all_to_all → [ep (source), E/ep, C, D].
   buf = buf.reshape(ep, e_local, cap, d)
@@ -129,7 +133,8 @@ def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3:
                   w2: Array, *, activation: str = "situ", beta1: float = 4.0,
                   beta2: float = 25.0, capacity_factor: float | None = None,
                   capacity: int | None = None, num_valid: int | None = None,
-                  gmm: moe_ops.GroupedMatmul | None = None) -> tuple[Array, Array]:
+                  gmm: moe_ops.GroupedMatmul | None = None,
+                  input_quant: str | None = None) -> tuple[Array, Array]:
   """`ops.moe.expert_mlp` with experts sharded over `expert` (global arrays in and out).
 
   x: [B, T, D] (batch over data/fsdp/expert, T over context) or [N, D] (N over all of them);
@@ -163,7 +168,8 @@ def expert_mlp_ep(mesh, x: Array, weights: Array, indices: Array, w1: Array, w3:
     y, dropped = expert_mlp_local(
         x_.reshape(-1, shp[-1]), w_.reshape(-1, w_.shape[-1]), i_.reshape(-1, i_.shape[-1]),
         w1_, w3_, w2_, num_experts=num_experts, activation=activation, beta1=beta1,
-        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity, valid=valid, gmm=gmm)
+        beta2=beta2, capacity_factor=capacity_factor, capacity=capacity, valid=valid, gmm=gmm,
+        input_quant=input_quant)
     return y.reshape(shp), jax.lax.psum(dropped, sum_axes)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
@@ -208,7 +214,7 @@ def maybe_expert_parallel(expert_mlp_fn: Callable,
     return expert_mlp_fn
 
   def run(x, weights, indices, w1, w3, w2, *, activation="situ", beta1=4.0, beta2=25.0,
-          capacity=None):
+          capacity=None, input_quant=None):
     if w1.shape[0] % ep:
       raise ValueError(f"w1: {w1.shape[0]} experts are not divisible by the expert axis "
                        f"size {ep}")
@@ -223,7 +229,7 @@ def maybe_expert_parallel(expert_mlp_fn: Callable,
           [indices, jnp.broadcast_to(jnp.arange(k, dtype=indices.dtype), (pad, k))])
     y, dropped = expert_mlp_ep(mesh, x, weights, indices, w1, w3, w2, activation=activation,
                                beta1=beta1, beta2=beta2, capacity=local_cap,
-                               num_valid=n if pad else None, gmm=gmm)
+                               num_valid=n if pad else None, gmm=gmm, input_quant=input_quant)
     return (y[:n] if pad else y), dropped
 
   return run
