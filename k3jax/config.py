@@ -26,6 +26,20 @@ MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
 
+# LoRA target names (ModelConfig.lora_targets) → the projections they adapt:
+#   q        KDA q_proj; MLA q_a_proj + q_b_proj (or q_proj)
+#   k, v     KDA k_proj / v_proj; MLA's kv_a_proj_with_mqa + kv_b_proj (one latent for keys
+#            and values) when either is named
+#   o        KDA and MLA o_proj
+#   gates    KDA f_a_proj, f_b_proj (decay), b_proj (β), g_proj or g_a/g_b_proj (output
+#            gate); MLA g_proj
+#   dense    the dense layer-0 MLP (gate_proj, up_proj, down_proj)
+#   shared   the shared experts (gate_proj, up_proj, down_proj)
+#   latent   the LatentMoE projections routed_expert_down_proj / routed_expert_up_proj
+#   experts  per-expert adapters on every routed expert's w1, w3, w2
+# Never adapted: embeddings, lm_head, router, norms, convs, MTP's eh_proj, the vision tower.
+LORA_TARGETS = ("q", "k", "v", "o", "gates", "dense", "shared", "latent", "experts")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -125,6 +139,14 @@ class ModelConfig:
   #                  trained forward. A k3jax-only field: the release's config.json stores no
   #                  activation quantisation (§12), so hf_config neither reads nor writes it.
   expert_qat: Literal["mxfp4_mxfp8"] | None = None
+
+  # --- LoRA adapters (docs/notes/lora.md): y = x·W + (lora_alpha / lora_rank)·(x·A)·B on the
+  # projections named by `lora_targets` (LORA_TARGETS), A [in, r] and B [r, out] (B zero at
+  # init) in the Flax collection "lora"; the base weights stay untouched (and may be packed
+  # MXFP4 experts: QLoRA). lora_rank 0: no adapters, the plain model.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
 
   def __post_init__(self):
     self.validate()
@@ -269,7 +291,37 @@ class ModelConfig:
     if not any(self.is_mla(i) for i in range(self.num_layers)):
       bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
           "mla_last=False leave no MLA layer")
+    self._validate_lora(bad)
     self._validate_vision(bad)
+
+  def _validate_lora(self, bad) -> None:
+    r = self.lora_rank
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+      bad("lora_rank", f"expected a non-negative int (0: no adapters), found {r!r}")
+    if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or (
+        not self.lora_alpha > 0):
+      bad("lora_alpha", f"expected a number > 0, found {self.lora_alpha!r}")
+    t = self.lora_targets
+    if not isinstance(t, tuple) or not all(isinstance(x, str) for x in t):
+      bad("lora_targets", f"expected a tuple of names from {LORA_TARGETS}, found {t!r}")
+    unknown = [x for x in t if x not in LORA_TARGETS]
+    if unknown:
+      bad("lora_targets", f"unknown target(s) {unknown}; expected names from {LORA_TARGETS}")
+    if len(set(t)) != len(t):
+      bad("lora_targets", f"duplicate names in {t}")
+    if r and not t:
+      bad("lora_targets", f"lora_rank={r} needs at least one target from {LORA_TARGETS}")
+
+  def lora_on(self, target: str) -> bool:
+    """Whether projections of LoRA target `target` (LORA_TARGETS) carry adapters."""
+    if target not in LORA_TARGETS:
+      raise ValueError(f"lora target: unknown name {target!r}; expected one of {LORA_TARGETS}")
+    return self.lora_rank > 0 and target in self.lora_targets
+
+  @property
+  def lora_scale(self) -> float:
+    """alpha / r, the factor of the adapter path (0 without adapters)."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
   def _validate_vision(self, bad) -> None:
     pid = self.media_placeholder_token_id
@@ -371,4 +423,5 @@ def dtype_of(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-__all__ = ["ModelConfig", "preset", "PRESETS", "dtype_of", "KDA", "MLA", "DENSE", "MOE"]
+__all__ = ["ModelConfig", "preset", "PRESETS", "dtype_of", "KDA", "MLA", "DENSE", "MOE",
+           "LORA_TARGETS"]

@@ -277,7 +277,8 @@ class K3Model(nn.Module):
     if groups:
       self.body = nn.scan(
           _maybe_remat(LayerGroup, cfg),
-          variable_axes={"params": 0, "balance": 0, "stats": 0, "rewind": 0},
+          variable_axes={"params": 0, "balance": 0, "lora": 0, "stats": 0,
+                         "rewind": 0},
           split_rngs={"params": True}, in_axes=(0, nn.broadcast, 0, nn.broadcast),
           length=groups, unroll=1 if cfg.scan_layers else groups,
           metadata_params={nn.PARTITION_NAME: "layers"})(cfg, prefix)

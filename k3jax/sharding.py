@@ -68,6 +68,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("conv", None),
     ("norm", None),
     ("layers", None),
+    # LoRA adapters (k3jax/layers/linear.py) carry their base kernel's axes on in/out, so
+    # they shard like it; the rank dimension is small and stays replicated.
+    ("lora_rank", None),
 )
 
 

@@ -110,26 +110,29 @@ class KDA(nn.Module):
   def setup(self):
     cfg = self.config
     h, k, r, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_gate_rank, cfg.kda_conv_size
-    self.q_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="q_proj")
-    self.k_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="k_proj")
-    self.v_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="v_proj")
+    self.q_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="q_proj", target="q")
+    self.k_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="k_proj", target="k")
+    self.v_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="v_proj", target="v")
     conv_names = ("conv", "heads", "head_dim")
     self.q_conv1d = param(self, "q_conv1d", _conv_init, (w, h, k), conv_names)
     self.k_conv1d = param(self, "k_conv1d", _conv_init, (w, h, k), conv_names)
     self.v_conv1d = param(self, "v_conv1d", _conv_init, (w, h, k), conv_names)
-    self.f_a_proj = linear(cfg, r, ("embed", "gate_rank"), name="f_a_proj")
-    self.f_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="f_b_proj")
-    self.b_proj = linear(cfg, h, ("embed", "heads"), name="b_proj")
+    self.f_a_proj = linear(cfg, r, ("embed", "gate_rank"), name="f_a_proj", target="gates")
+    self.f_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="f_b_proj",
+                           target="gates")
+    self.b_proj = linear(cfg, h, ("embed", "heads"), name="b_proj", target="gates")
     if cfg.full_rank_gates:
-      self.g_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="g_proj")
+      self.g_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="g_proj",
+                           target="gates")
     else:
-      self.g_a_proj = linear(cfg, r, ("embed", "gate_rank"), name="g_a_proj")
-      self.g_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="g_b_proj")
+      self.g_a_proj = linear(cfg, r, ("embed", "gate_rank"), name="g_a_proj", target="gates")
+      self.g_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="g_b_proj",
+                             target="gates")
     self.A_log = param(self, "A_log", _a_log_init, (h,), ("heads",))
     self.dt_bias = param(self, "dt_bias", _dt_bias_init, (h, k), ("heads", "head_dim"))
     self.o_norm = param(self, "o_norm", nn.initializers.ones, (k,), ("head_dim",))
     self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
-                         name="o_proj")
+                         name="o_proj", target="o")
 
   def project(self, x, conv):
     """q, k (L2-normalised), v after `conv` + SiLU, g (fp32 log-decay), β [B,T,H] fp32.

@@ -23,7 +23,7 @@ from flax import struct
 from k3jax.config import dtype_of
 from k3jax.layers import backend
 from k3jax.layers.cache import Feed, write_slots
-from k3jax.layers.linear import linear
+from k3jax.layers.linear import effective_kernel, linear
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.mla import mla_absorbed_attention
 
@@ -61,20 +61,25 @@ class MLA(nn.Module):
     cfg = self.config
     h, dqk = cfg.num_heads, cfg.qk_head_dim
     if cfg.q_lora_rank is not None:
-      self.q_a_proj = linear(cfg, cfg.q_lora_rank, ("embed", "q_latent"), name="q_a_proj")
+      self.q_a_proj = linear(cfg, cfg.q_lora_rank, ("embed", "q_latent"), name="q_a_proj",
+                             target="q")
       self.q_a_layernorm = RMSNorm(eps=cfg.mla_latent_norm_eps, axis_name="norm", name="q_a_layernorm")
-      self.q_b_proj = linear(cfg, (h, dqk), ("q_latent", "heads", "head_dim"), name="q_b_proj")
+      self.q_b_proj = linear(cfg, (h, dqk), ("q_latent", "heads", "head_dim"), name="q_b_proj",
+                             target="q")
     else:
-      self.q_proj = linear(cfg, (h, dqk), ("embed", "heads", "head_dim"), name="q_proj")
+      self.q_proj = linear(cfg, (h, dqk), ("embed", "heads", "head_dim"), name="q_proj", target="q")
     self.kv_a_proj_with_mqa = linear(cfg, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                     ("embed", "kv_latent"), name="kv_a_proj_with_mqa")
+                                     ("embed", "kv_latent"), name="kv_a_proj_with_mqa",
+                                     target=("k", "v"))
     self.kv_a_layernorm = RMSNorm(eps=cfg.mla_latent_norm_eps, axis_name="norm", name="kv_a_layernorm")
     self.kv_b_proj = linear(cfg, (h, cfg.qk_nope_head_dim + cfg.v_head_dim),
-                            ("kv_latent", "heads", "head_dim"), name="kv_b_proj")
+                            ("kv_latent", "heads", "head_dim"), name="kv_b_proj",
+                            target=("k", "v"))
     if cfg.mla_output_gate:
-      self.g_proj = linear(cfg, (h, cfg.v_head_dim), ("embed", "heads", "head_dim"), name="g_proj")
+      self.g_proj = linear(cfg, (h, cfg.v_head_dim), ("embed", "heads", "head_dim"), name="g_proj",
+                           target="gates")
     self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
-                         name="o_proj")
+                         name="o_proj", target="o")
 
   # Public pieces (decoding reuses them with a latent cache).
   def query(self, x):
@@ -128,8 +133,8 @@ class MLA(nn.Module):
     new = MLACache(write_slots(cache.c_kv, c, pos, valid),
                    write_slots(cache.k_rope, k_rope, pos, valid))
     q = self.query(x)
-    kv_b = nn.meta.unbox(self.kv_b_proj.variables["params"]["kernel"]).astype(
-        dtype_of(cfg.dtype))                                     # [L,H,nope+V]
+    # [L,H,nope+V]; an adapted kv_b folds its adapter in (W + s·A·B, docs/notes/lora.md)
+    kv_b = effective_kernel(self.kv_b_proj).astype(dtype_of(cfg.dtype))
     o, _ = mla_absorbed_attention(q[..., :n], q[..., n:], new.c_kv, new.k_rope, kv_b[..., :n],
                                   kv_b[..., n:], scale=cfg.qk_head_dim ** -0.5,
                                   query_positions=pos)

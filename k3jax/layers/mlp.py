@@ -29,14 +29,18 @@ class MLP(nn.Module):
   """
   config: object
   intermediate_size: int
+  lora_target: str = "dense"     # LoRA target name: "dense" (layer 0) or "shared" (MoE)
 
   @nn.compact
   def __call__(self, x):
     cfg, f, d = self.config, self.intermediate_size, x.shape[-1]
-    a = linear(cfg, f, ("embed", "mlp"), name="gate_proj")(x)
-    b = linear(cfg, f, ("embed", "mlp"), name="up_proj")(x)
+    a = linear(cfg, f, ("embed", "mlp"), name="gate_proj",
+               target=self.lora_target)(x)
+    b = linear(cfg, f, ("embed", "mlp"), name="up_proj",
+               target=self.lora_target)(x)
     h = glu_activation(cfg, a, b)
-    return linear(cfg, d, ("mlp", "embed"), name="down_proj")(h).astype(x.dtype)
+    return linear(cfg, d, ("mlp", "embed"), name="down_proj",
+               target=self.lora_target)(h).astype(x.dtype)
 
 
 __all__ = ["MLP", "glu_activation"]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from k3jax.config import dtype_of
 from k3jax.layers import backend
-from k3jax.layers.linear import default_kernel_init, linear, param
+from k3jax.layers.linear import default_kernel_init, linear, lora_variables, param
 from k3jax.layers.mla import sow_stat
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norms import RMSNorm
@@ -75,6 +75,7 @@ class Experts(nn.Module):
   expert_format "bf16": three params in param_dtype, returned as arrays. "mxfp4": three
   `PackedExpertMatrix` submodules (`w1/weight_packed`, `w1/weight_scale`, …), returned as
   `ops.moe.MXFP4Weight`s of the same logical shapes (k3jax/quant/mx.py gives the layout).
+  With LoRA target "experts": each returned as `ops.lora.LoRAExperts(base, A, s·B)`.
   """
   config: object
   in_dim: int
@@ -87,14 +88,27 @@ class Experts(nn.Module):
     up = ("experts", self.in_axis, "expert_mlp")
     down = ("experts", "expert_mlp", self.in_axis)
     if cfg.expert_format == "mxfp4":
-      return (PackedExpertMatrix((e, dim, f), up, name="w1")(),
-              PackedExpertMatrix((e, dim, f), up, name="w3")(),
-              PackedExpertMatrix((e, f, dim), down, name="w2")())
-    dt = dtype_of(cfg.param_dtype)   # like every Linear kernel (the bulk of K3's parameters)
-    w1 = param(self, "w1", _expert_init, (e, dim, f), up, dt)
-    w3 = param(self, "w3", _expert_init, (e, dim, f), up, dt)
-    w2 = param(self, "w2", _expert_init, (e, f, dim), down, dt)
-    return w1, w3, w2
+      ws = (PackedExpertMatrix((e, dim, f), up, name="w1")(),
+            PackedExpertMatrix((e, dim, f), up, name="w3")(),
+            PackedExpertMatrix((e, f, dim), down, name="w2")())
+    else:
+      dt = dtype_of(cfg.param_dtype)   # like every Linear kernel (the bulk of K3's parameters)
+      ws = (param(self, "w1", _expert_init, (e, dim, f), up, dt),
+            param(self, "w3", _expert_init, (e, dim, f), up, dt),
+            param(self, "w2", _expert_init, (e, f, dim), down, dt))
+    if not cfg.lora_on("experts"):
+      return ws
+    # One adapter per expert and matrix ("lora" collection: w1_lora_a [E, in, r],
+    # w1_lora_b [E, r, out], …), handed to the expert op with the base (packed or not) as
+    # `LoRAExperts`, the scale folded into B.
+    from k3jax.ops.lora import LoRAExperts
+    out = []
+    for name, w, axes in zip(("w1", "w3", "w2"), ws, (up, up, down)):
+      _, din, dout = w.shape
+      a, b = lora_variables(self, (din,), (dout,), axes[1:2], axes[2:], cfg.lora_rank,
+                            prefix=f"{name}_", batch_shape=(e,), batch_names=axes[:1])
+      out.append(LoRAExperts(w, a, b * cfg.lora_scale))
+    return tuple(out)
 
 
 class Router(nn.Module):
@@ -147,7 +161,7 @@ class StableLatentMoE(nn.Module):
     latent = cfg.latent_moe_dim is not None
     if latent:
       z = linear(cfg, cfg.latent_moe_dim, ("embed", "moe_latent"),
-                 name="routed_expert_down_proj")(xf)
+                 name="routed_expert_down_proj", target="latent")(xf)
       w1, w3, w2 = Experts(cfg, cfg.latent_moe_dim, "moe_latent", name="experts")()
     else:
       z = xf.astype(compute)
@@ -172,12 +186,14 @@ class StableLatentMoE(nn.Module):
     if latent:
       u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
           u.astype(jnp.float32))
-      y = linear(cfg, d, ("moe_latent", "embed"), name="routed_expert_up_proj")(u)
+      y = linear(cfg, d, ("moe_latent", "embed"), name="routed_expert_up_proj",
+                 target="latent")(u)
     else:
       y = u
     y = y.astype(jnp.float32)
     if cfg.num_shared_experts:
-      y = y + MLP(cfg, cfg.shared_intermediate_size, name="shared_experts")(xf).astype(
+      y = y + MLP(cfg, cfg.shared_intermediate_size, lora_target="shared",
+                  name="shared_experts")(xf).astype(
           jnp.float32)
 
     if self.is_initializing() or not self.is_mutable_collection("stats"):

@@ -30,6 +30,10 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
   path and `batched_experts` dequantise it inside the computation, a chunk of experts (or one
   tile's expert) at a time (`DEQUANT_CHUNK_ELEMENTS`), so all experts never exist in bf16 at
   once; the reference dequantises everything first. A `gmm` does not take packed weights.
+- `ops.lora.LoRAExperts(base, a, b)`: an expert matrix (array or MXFP4Weight) with a per-expert
+  adapter; every path computes x·W_e + (x·A_e)·b_e in factored form (grouped: two more `gmm`
+  calls), packed bases dequantised a chunk at a time as above (QLoRA); the reference merges
+  W_e + A_e·b_e first.
 
 Dropping rule (all paths agree): pairs are ranked inside each expert by their flat index
 n·k + j (token-major, earlier tokens first); a pair whose rank is ≥ `capacity` is dropped (its
@@ -44,6 +48,8 @@ from typing import Callable, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from k3jax.ops.lora import LoRAExperts, expert_einsum, is_lora, merge_experts
 
 Array = jax.Array
 # gmm(lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G] int32) -> [M, N]: rows
@@ -82,14 +88,26 @@ class MXFP4Weight(NamedTuple):
 
 
 def is_packed(w) -> bool:
-  return isinstance(w, MXFP4Weight)
+  """An `MXFP4Weight`, or a `LoRAExperts` whose base is one."""
+  return isinstance(w, MXFP4Weight) or (is_lora(w) and isinstance(w.base, MXFP4Weight))
 
 
-def dense_experts(w, dtype) -> Array:
-  """An expert kernel (array or `MXFP4Weight`) as an array [..., E, in, out] of `dtype`."""
+def dense_experts(w, dtype):
+  """An expert kernel (array or `MXFP4Weight`) as an array [..., E, in, out] of `dtype`; a
+  `LoRAExperts` as one with a dense base and adapters of `dtype`."""
+  if is_lora(w):
+    return LoRAExperts(dense_experts(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype))
   if is_packed(w):
     return checkpoint_name(w.dequantize(dtype), DEQUANTIZED)
   return w.astype(dtype)
+
+
+def cast_experts(w, dtype):
+  """Expert weights in the matmul dtype: arrays (and adapters) cast; packed bytes as they are
+  (dequantised where used)."""
+  if is_lora(w):
+    return LoRAExperts(cast_experts(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype))
+  return w if is_packed(w) else w.astype(dtype)
 
 
 def _take_expert(w, e, keepdims: bool = False):
@@ -126,11 +144,15 @@ def batched_experts(rows: Array, w1, w3, w2, act) -> Array:
   f = w1.shape[-1]
 
   def mlp(r, a1, a3, a2):
-    a = jnp.einsum("ecd,edf->ecf", r, jnp.concatenate([a1, a3], axis=-1))
-    return jnp.einsum("ecf,efd->ecd", act(a[..., :f], a[..., f:]).astype(dt), a2)
+    if is_lora(a1) or is_lora(a3):   # adapters: each matrix with its own (x·A)·b
+      h = act(expert_einsum("ecd,edf->ecf", r, a1), expert_einsum("ecd,edf->ecf", r, a3))
+    else:
+      a = jnp.einsum("ecd,edf->ecf", r, jnp.concatenate([a1, a3], axis=-1))
+      h = act(a[..., :f], a[..., f:])
+    return expert_einsum("ecf,efd->ecd", h.astype(dt), a2)
 
   if not any(map(is_packed, (w1, w3, w2))):
-    return mlp(rows, w1.astype(dt), w3.astype(dt), w2.astype(dt))
+    return mlp(rows, *(cast_experts(w, dt) for w in (w1, w3, w2)))
   e, c, d = rows.shape
   ec = _dequant_chunk(e, 3 * d * f)
 
@@ -328,6 +350,14 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
     raise ValueError("expert_mlp: a grouped matmul (gmm) takes dense weights, found MXFP4Weight "
                      "experts; pass gmm=None (the sorted path dequantises them in chunks)")
   for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+    if is_lora(w):
+      e_, din, dout = w.shape
+      r = w.a.shape[-1]
+      if w.a.shape != (e_, din, r) or w.b.shape != (e_, r, dout):
+        raise ValueError(f"expert_mlp: {name} LoRA adapters must be A [E, in, r] = "
+                         f"{(e_, din, r)} and B [E, r, out] = {(e_, r, dout)}, found "
+                         f"{w.a.shape} and {w.b.shape}")
+      w = w.base
     if is_packed(w) and (w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8 or
                          w.scale.shape != (*w.packed.shape[:-1], w.packed.shape[-1] // 16)):
       raise ValueError(f"expert_mlp: {name} MXFP4Weight must be uint8 packed [E, out, in/2] + "
@@ -341,7 +371,7 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
 def _prepare(x, weights, indices, w1, w3, w2, activation, beta1, beta2):
   """The activation function and the operands in the dtypes every path computes in."""
   cdt = x.dtype
-  cast = lambda w: w if is_packed(w) else w.astype(cdt)   # packed: dequantised where used
+  cast = lambda w: cast_experts(w, cdt)   # packed: dequantised where used
   return (activation_fn(activation, beta1, beta2), weights.astype(jnp.float32),
           indices.astype(jnp.int32), cast(w1), cast(w3), cast(w2))
 
@@ -388,6 +418,7 @@ def expert_mlp_reference(x: Array, weights: Array, indices: Array, w1: Array, w3
   experts are dequantised whole first (the slow, obviously correct reading of the packed form)."""
   _validate(x, weights, indices, w1, w3, w2, capacity)
   w1, w3, w2 = (dense_experts(w, x.dtype) for w in (w1, w3, w2))
+  w1, w3, w2 = (merge_experts(w) if is_lora(w) else w for w in (w1, w3, w2))
   act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
                                                beta1, beta2)
   x, act = quantized_inputs(x, act, input_quant)
@@ -404,10 +435,15 @@ def grouped_experts(rows: Array, group_sizes: Array, w1: Array, w3: Array, w2: A
   """The expert MLP on rows sorted by expert: [M, D] → [M, D] in rows.dtype.
 
   group_sizes [E]: rows per expert (rows past their sum give zeros); w1, w3 [E, D, F],
-  w2 [E, F, D] in rows.dtype; act(a, b) the gated activation. Three `gmm` calls.
+  w2 [E, F, D] in rows.dtype (or `LoRAExperts` of those); act(a, b) the gated activation. Three `gmm` calls.
   """
-  h = act(gmm(rows, w1, group_sizes), gmm(rows, w3, group_sizes))
-  return gmm(h.astype(rows.dtype), w2, group_sizes)
+  def mm(x, w):   # an adapter adds (x·A)·b: two more grouped matmuls of width r
+    if is_lora(w):
+      return gmm(x, w.base, group_sizes) + gmm(gmm(x, w.a, group_sizes), w.b, group_sizes)
+    return gmm(x, w, group_sizes)
+
+  h = act(mm(rows, w1), mm(rows, w3))
+  return mm(h.astype(rows.dtype), w2)
 
 
 def _keep_mask_reference(indices: Array, num_experts: int, capacity_: int | None) -> Array:
@@ -514,7 +550,8 @@ def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):
     # w[tile_expert] ([n_tiles, D, F] per weight, and its scatter-add in the backward pass)
     # measured ~1.5x slower on CPU than this loop (docs/notes/moe.md). Packed weights: only
     # the tile's expert is dequantised, inside the step.
-    packed = any(map(is_packed, (w1, w3, w2)))
+    # Packed or adapted experts: the tile's expert through `batched_experts`.
+    packed = any(is_packed(w) or is_lora(w) for w in (w1, w3, w2))
     w13 = None if packed else jnp.concatenate([w1, w3], axis=-1)      # [E, D, 2F]
 
     def tile_mlp(_, inp):

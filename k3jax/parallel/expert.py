@@ -108,8 +108,9 @@ def expert_mlp_local(x: Array, weights: Array, indices: Array, w1: Array, w3: Ar
     # The rows are already grouped by local expert, ep·C each (unfilled rows are zero and
     # never read back), so the kernel sees equal static group sizes.
     sizes = jnp.full((e_local,), ep * cap, jnp.int32)
-    out = moe_ops.grouped_experts(rows.reshape(-1, d), sizes, w1.astype(cdt), w3.astype(cdt),
-                                  w2.astype(cdt), act, gmm).reshape(e_local, ep * cap, d)
+    out = moe_ops.grouped_experts(rows.reshape(-1, d), sizes,
+                                  *(moe_ops.cast_experts(w, cdt) for w in (w1, w3, w2)),
+                                  act, gmm).reshape(e_local, ep * cap, d)
   out = out.reshape(e_local, ep, cap, d).transpose(1, 0, 2, 3)
   out = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)    # back: [ep (dest) …] = [E, C, D]
   out = out.reshape(num_experts * cap, d)

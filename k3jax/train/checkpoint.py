@@ -49,6 +49,7 @@ def _ocp():
 def config_to_dict(config: ModelConfig) -> dict:
   d = dataclasses.asdict(config)
   d["qb_range"] = list(d["qb_range"])
+  d["lora_targets"] = list(d["lora_targets"])
   return d
 
 
@@ -60,6 +61,8 @@ def config_from_dict(d: dict) -> ModelConfig:
   d = dict(d)
   if "qb_range" in d:
     d["qb_range"] = tuple(d["qb_range"])
+  if "lora_targets" in d:
+    d["lora_targets"] = tuple(d["lora_targets"])
   if "vision" in d:
     from k3jax.vision.config import as_vision_config
     d["vision"] = as_vision_config(d["vision"])

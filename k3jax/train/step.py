@@ -83,14 +83,19 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
 
-def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float, denominators=None):
+def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float, denominators=None,
+            lora=None):
   """Scalar loss and aux (ce, mtp_ce, flat stats) for one batch (module doc).
 
   `denominators` = (tokens, mtp tokens) to divide the CE sums by (default: this batch's own
-  masked token counts; a micro-batch passes the whole batch's)."""
+  masked token counts; a micro-batch passes the whole batch's). `lora`: the adapters'
+  collection of a LoRA model (k3jax/train/lora.py), or None."""
   use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
+  variables = {"params": params, "balance": balance}
+  if lora is not None:
+    variables["lora"] = lora
   out, mut = _model(config).apply(
-      {"params": params, "balance": balance}, batch["inputs"],
+      variables, batch["inputs"],
       segment_ids=batch["segment_ids"], return_mtp=use_mtp, mutable=["stats"],
       media=batch.get("media"))
   logits, mtp_logits = out if use_mtp else (out, None)
@@ -123,15 +128,22 @@ def _merge_stats(a: dict, b: dict) -> dict:
 
 
 def accumulated_grads(params, balance, batch, config: ModelConfig, mtp_weight: float,
-                      grad_accum: int):
+                      grad_accum: int, lora=None):
   """((loss, (ce, mtp_ce, stats)), grads) of the whole batch, computed over `grad_accum`
-  micro-batches in a `lax.scan` (module doc). `grad_accum=1` is one plain value_and_grad."""
-  # allow_int: packed MXFP4 experts are uint8 params (frozen); their float0 gradients become
-  # zeros so that sums and norms work (the optimizer's "frozen" label ignores them).
-  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True, allow_int=True)
+  micro-batches in a `lax.scan` (module doc). `grad_accum=1` is one plain value_and_grad.
+  With `lora` (a LoRA model's adapters) the gradients are the adapters' alone: the base
+  params are constants of the loss."""
+  if lora is None:
+    # allow_int: packed MXFP4 experts are uint8 params (frozen); their float0 gradients become
+    # zeros so that sums and norms work (the optimizer's "frozen" label ignores them).
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True, allow_int=True)
+  else:
+    value_and_grad = jax.value_and_grad(
+        lambda lo, p, *rest: loss_fn(p, *rest, lora=lo), has_aux=True)
+    params = (lora, params)     # differentiated argument first; unpacked by grad_fn
 
-  def grad_fn(*args):
-    out, grads = value_and_grad(*args)
+  def grad_fn(p, *args):
+    out, grads = value_and_grad(*(p if lora is not None else (p,)), *args)
     return out, integer_grads_to_zeros(grads)
 
   use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0

@@ -60,11 +60,24 @@ def model_config(cfg) -> ModelConfig:
   m["name"] = name
   if "qb_range" in m:
     m["qb_range"] = tuple(m["qb_range"])
+  if "lora_targets" in m:
+    m["lora_targets"] = tuple(m["lora_targets"])
+  lora = cfg.train.get("lora")
+  if lora is not None and lora.get("rank", 0):   # train.lora.* → the model's adapters
+    m.update(lora_rank=lora.rank, lora_alpha=float(lora.get("alpha", 16.0)),
+             lora_targets=lora_targets(lora.get("targets", "q,k,v,o")))
   if "vision" in m:  # a vision preset name or a dict of fields; the projector feeds d_model
     m["vision"] = as_vision_config(m["vision"], text_hidden_size=m.get("d_model"))
   if cfg.balance.get("num_bins"):
     m["qb_num_bins"] = int(cfg.balance.num_bins)
   return ModelConfig(**m)
+
+
+def lora_targets(value) -> tuple[str, ...]:
+  """train.lora.targets as a tuple: "q,k,v,o" (command-line form) or a sequence of names."""
+  if isinstance(value, str):
+    return tuple(t.strip() for t in value.split(",") if t.strip())
+  return tuple(value)
 
 
 def validate(cfg, config: ModelConfig) -> None:
@@ -100,6 +113,19 @@ def validate(cfg, config: ModelConfig) -> None:
        f"expected a positive int, found {accum!r}")
   need(t.batch_size % accum == 0, "train.batch_size",
        f"must be divisible by train.grad_accum={accum} (micro-batches), found {t.batch_size}")
+  lora = t.get("lora")
+  if lora is not None:
+    r = lora.get("rank", 0)
+    need(isinstance(r, int) and not isinstance(r, bool) and r >= 0, "train.lora.rank",
+         f"expected a non-negative int (0: full fine-tuning), found {r!r}")
+    need(not (r and t.get("freeze_experts", False)), "train.freeze_experts",
+         "LoRA (train.lora.rank > 0) already freezes every base weight; leave it False")
+    if lora.get("base") and r:
+      need(os.path.exists(lora.base), "train.lora.base",
+           f"checkpoint path {lora.base!r} does not exist")
+    need(not (r and t.get("init", "")), "train.init",
+         "a LoRA run (train.lora.rank > 0) starts its adapters on train.lora.base; set that "
+         "instead of train.init")
   n_dev = jax.device_count() if cfg.train.get("data_parallel", False) else 1
   need((t.batch_size // accum) % n_dev == 0, "train.batch_size",
        f"each of the {accum} micro-batches (batch_size / grad_accum = "
@@ -108,8 +134,12 @@ def validate(cfg, config: ModelConfig) -> None:
 
 def _signature(cfg) -> dict:
   """Run-config fields a resume must keep (they change the optimizer state's structure)."""
-  return {"muon": bool(cfg.optim.muon), "balance": cfg.balance.method,
-          "clip": float(cfg.optim.get("clip_norm", 0.0)) > 0}
+  sig = {"muon": bool(cfg.optim.muon), "balance": cfg.balance.method,
+         "clip": float(cfg.optim.get("clip_norm", 0.0)) > 0}
+  lora = cfg.train.get("lora")
+  if lora is not None and lora.get("rank", 0):   # adapters only: another state structure
+    sig["lora"] = int(lora.rank)
+  return sig
 
 
 # ---------------------------------------------------------------------- data
@@ -178,7 +208,11 @@ def _cached_step(cfg, config: ModelConfig, mesh=None) -> Step:
          *(json.dumps(cfg[g].to_dict(), sort_keys=True) if cfg.get(g) is not None else None
            for g in ("optim", "balance", "mesh")))
   if key not in _STEPS:
-    _STEPS[key] = build_step(cfg, config, mesh)
+    if config.lora_rank:
+      from k3jax.train.lora import build_lora_step
+      _STEPS[key] = build_lora_step(cfg, config, mesh)
+    else:
+      _STEPS[key] = build_step(cfg, config, mesh)
   return _STEPS[key]
 
 
@@ -200,15 +234,24 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
 
   tx, _, step_fn, eval_fn = _cached_step(cfg, config, mesh)
   rng = jax.random.PRNGKey(cfg.seed)
-  state = create_state(config, rng, tx)
-  restored = ckpt.restore_latest(config, state.variables, state.opt_state)
+  if config.lora_rank:
+    state = _lora_state(cfg, config, rng, tx)
+  else:
+    state = create_state(config, rng, tx)
+  # A LoRA run checkpoints its adapters alone (the base is train.lora.base, or the seed's).
+  saved = (lambda s: {"lora": s.lora}) if config.lora_rank else (lambda s: s.variables)
+  restored = ckpt.restore_latest(config, saved(state), state.opt_state)
   start = 0
   if restored is None and t.get("init", ""):
     state = init_from(t.init, config, state, tx)
   if restored is not None:
     start, variables, opt_state, meta = restored
-    state = TrainState(step=jnp.asarray(start, jnp.int32), params=variables["params"],
-                       balance=variables["balance"], opt_state=opt_state)
+    if config.lora_rank:
+      state = state.replace(step=jnp.asarray(start, jnp.int32), lora=variables["lora"],
+                            opt_state=opt_state)
+    else:
+      state = TrainState(step=jnp.asarray(start, jnp.int32), params=variables["params"],
+                         balance=variables["balance"], opt_state=opt_state)
     state = jax.tree.map(jnp.asarray, state)
     it.set_state(meta["data"])
     log.info("resumed from %s/%d", ckpt.directory, start)
@@ -219,8 +262,8 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=t.get("tensorboard", True))
   peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak()
   muon_fps = (metrics_lib.muon_flops_per_step(
-      state.params, freeze_experts=bool(t.get("freeze_experts", False))) if cfg.optim.muon
-      else 0.0)
+      state.params, freeze_experts=bool(t.get("freeze_experts", False)))
+      if cfg.optim.muon and not config.lora_rank else 0.0)
   records = []
   show = t.get("progress", True) if progress is None else progress
   bar = None
@@ -266,7 +309,7 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
       if bar is not None:
         bar.update(1)
       if t.checkpoint_every and (done % t.checkpoint_every == 0 or done == end):
-        ckpt.save(done, config, state.variables, state.opt_state,
+        ckpt.save(done, config, saved(state), state.opt_state,
                   {"step": done, "data": it.get_state(), "rng": np.asarray(
                       jax.random.key_data(rng)).tolist(), "signature": _signature(cfg),
                    "run_config": cfg.to_dict()})
@@ -275,6 +318,9 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
       bar.close()
     writer.close()
     ckpt.close()
+  if config.lora_rank and end == t.steps:
+    from k3jax.train.lora import save_adapters
+    save_adapters(os.path.join(workdir, "adapters"), config, state.lora, step=end)
   return records
 
 
@@ -296,6 +342,22 @@ def init_from(path: str, config: ModelConfig, state: TrainState, tx) -> TrainSta
   log.info("initialised from %s", path)
   return TrainState(step=state.step, params=variables["params"], balance=variables["balance"],
                     opt_state=tx.init(variables))
+
+
+def _lora_state(cfg, config: ModelConfig, rng, tx):
+  """A LoRA run's state: fresh adapters on train.lora.base (a pretrained checkpoint of the
+  same model without adapters) or, when empty, on the seed's fresh base."""
+  from k3jax.train import lora as lora_lib
+  from k3jax.train.checkpoint import config_diff, load_pretrained
+  base = None
+  path = cfg.train.lora.get("base", "")
+  if path:
+    base_config, base = load_pretrained(path)
+    diff = config_diff(config.replace(lora_rank=0), base_config.replace(lora_rank=0))
+    if diff:
+      raise ValueError(f"config.train.lora.base: {path!r} holds another model; differing "
+                       f"fields (run, checkpoint): {diff}")
+  return lora_lib.create_state(config, rng, tx, base=base)
 
 
 def _check_signature(ckpt: Checkpointer, cfg) -> None:
@@ -336,6 +398,8 @@ def base_config(preset_name: str = "tiny"):
   c.seed = 0
   model = config_to_dict(preset(preset_name))
   model.pop("name")
+  for f in ("lora_rank", "lora_alpha", "lora_targets"):   # set through train.lora
+    model.pop(f)
   model["qb_range"] = tuple(model["qb_range"])
   c.model = ml_collections.ConfigDict({"preset": preset_name, **model})
   c.train = ml_collections.ConfigDict(dict(
@@ -343,6 +407,12 @@ def base_config(preset_name: str = "tiny"):
       eval_batches=2, log_every=10, mtp_weight=0.3, max_to_keep=3, curriculum="",
       progress=True, tensorboard=True, async_checkpoint=True, peak_flops=0.0,
       data_parallel=False, freeze_experts=False))
+  # LoRA / QLoRA (docs/notes/lora.md): rank > 0 trains adapters on the named targets
+  # (k3jax.config.LORA_TARGETS, comma-separated) of a frozen base — `base` (a checkpoint
+  # load_pretrained reads), or the seed's fresh init when empty — with AdamW over the adapters
+  # (optim.lr, adam_b1/b2, clip_norm; this weight_decay).
+  c.train.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o",
+                                                base="", weight_decay=0.0))
   c.optim = ml_collections.ConfigDict(dict(
       lr=2e-3, warmup_frac=0.01, final_lr_frac=0.1, weight_decay=0.1, momentum=0.95,
       adam_b1=0.9, adam_b2=0.95, muon=True, qk_clip_tau=100.0, clip_norm=0.0, mu_dtype="",
