@@ -68,23 +68,18 @@ def calculator(expression: str) -> str:
   """The calculator tool: an integer expression with + - * → its value as text."""
   if not isinstance(expression, str) or not _EXPR.match(expression):
     return "error: expected integers joined by + - *"
-  tokens = re.findall(r"-?\d+|[-+*]", expression.replace(" ", ""))
-  # After a number, "-5" is an operator and a number; re-split those.
-  flat: list[str] = []
-  for t in tokens:
-    if flat and flat[-1] not in "+-*" and t.startswith("-"):
-      flat += ["-", t[1:]]
-    else:
-      flat.append(t)
-  terms, sign, prod = [], 1, None
-  for t in flat:
-    if t in "+-":
-      terms.append(sign * prod)
-      sign, prod = (1 if t == "+" else -1), None
+  # A sum of products; where a number is expected, "-" negates it (the pattern allows one).
+  terms, sign, prod, neg, want_number = [], 1, 1, False, True
+  for t in re.findall(r"\d+|[-+*]", expression):
+    if want_number and t == "-":
+      neg = True
+    elif want_number:
+      prod, neg, want_number = prod * (-int(t) if neg else int(t)), False, False
     elif t == "*":
-      continue
+      want_number = True
     else:
-      prod = int(t) if prod is None else prod * int(t)
+      terms.append(sign * prod)
+      sign, prod, want_number = (1 if t == "+" else -1), 1, True
   terms.append(sign * prod)
   return str(sum(terms))
 
