@@ -5,7 +5,7 @@ Tasks (`TASKS`), each one user turn and the assistant's answer in its `response`
   sub         "What is 58-21?"                         → "37"        (a ≥ b, 0–99)
   reverse     "Reverse the word kelp."                 → "plek"      (3–6 random letters)
   upper       "Write kelp in upper case."              → "KELP"
-  count       "How many times does e occur in geese?"  → "3"         (a letter of the word)
+  count       "How many times does e occur in geese?"  → "3"         (1, 2 or 3 times)
   calculator  "Use the calculator to compute 412*37."  → a `tools` call
               calculator({"expression": "412*37"}), the tool's message "15244", then "15244"
               (the calculator is declared in the global options; a ×: 10–999 by 10–99)
@@ -116,8 +116,12 @@ def _draw(task: str, rng, thinking: bool) -> Sample:
       key, answer = f"upper:{w}", w.upper()
       user, think = f"Write {w} in upper case.", f"Upper-case {w}."
     else:
-      c = w[int(rng.integers(0, len(w)))]
-      key, answer = f"count:{w},{c}", str(w.count(c))
+      # The letter occurs 1, 2 or 3 times (uniformly): no single answer wins.
+      c, k = w[0], int(rng.integers(1, 4))
+      others = [x for x in string.ascii_lowercase if x != c]
+      letters = list(rng.choice(others, len(w) + k - 1)) + [c] * k
+      w = "".join(letters[i] for i in rng.permutation(len(letters)))
+      key, answer = f"count:{w},{c}", str(k)
       user, think = f"How many times does {c} occur in {w}?", f"Count {c} in {w}."
     msgs = [chat.Message("user", user), _assistant(thinking, think, answer)]
   elif task == "calculator":

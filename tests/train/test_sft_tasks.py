@@ -136,7 +136,8 @@ def test_eval_figures_on_hand_built_replies():
   assert len(calls) == 2
   assert out["replies"] == 6 and out["parse_rate"] == pytest.approx(4 / 6)
   assert out["exact_match"] == pytest.approx(2 / 5)
-  assert out["by_task"]["add"] == {"n": 1, "exact_match": 1.0}
+  assert out["by_task"]["add"] == {"n": 1, "exact_match": 1.0, "constant_answer": 1.0}
+  assert out["constant_answer"] == 1.0          # one sample per task
   assert out["by_task"]["upper"]["exact_match"] == 0.0
   assert out["by_task"]["calculator"]["exact_match"] == 1.0
   assert [e["correct"] for e in out["examples"]] == [True, False, False, False, True]
