@@ -5,8 +5,11 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 WORKDIR ?= runs/small
 VISION_WORKDIR ?= runs/vision
+SFT_WORKDIR ?= runs/sft
+# `make sft` starts from `make train`'s checkpoint when there is one, else from a random init.
+SFT_INIT ?= $(if $(wildcard $(WORKDIR)/checkpoints),$(WORKDIR))
 
-.PHONY: install test train train-vision bench clean
+.PHONY: install test train train-vision sft bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +32,13 @@ train: $(STAMP)
 train-vision: $(STAMP)
 	$(BIN)/python -m experiments.train --config=configs/tiny_multimodal.py --workdir=$(VISION_WORKDIR)
 	$(BIN)/python -m experiments.eval_vision --workdir=$(VISION_WORKDIR) --json=$(VISION_WORKDIR)/eval_vision.json
+
+# SFT of `small` on the embedded chat tasks (docs/notes/sft.md): held-out exact match and
+# parse rate before (eval_before.json) and after (eval_sft.json).
+sft: $(STAMP)
+	$(BIN)/python -m experiments.eval_sft $(if $(SFT_INIT),--checkpoint=$(SFT_INIT),--config=configs/sft_small.py) --json=$(SFT_WORKDIR)/eval_before.json
+	$(BIN)/python -m experiments.sft --config=configs/sft_small.py --workdir=$(SFT_WORKDIR) $(if $(SFT_INIT),--init=$(SFT_INIT))
+	$(BIN)/python -m experiments.eval_sft --checkpoint=$(SFT_WORKDIR) --json=$(SFT_WORKDIR)/eval_sft.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -15,17 +15,17 @@ from k3jax.train.trainer import base_config
 def get_config():
   c = base_config("small")
   c.model.moe_capacity_factor = 1.1     # as configs/small.py: the same model config
-  c.train.steps = 120
+  c.train.steps = 60
   c.train.batch_size = 8
   c.train.seq_len = 352          # the longest calculator conversation (330 tokens) fits
-  c.train.checkpoint_every = 40
-  c.train.eval_every = 40
+  c.train.checkpoint_every = 20
+  c.train.eval_every = 20
   c.train.eval_batches = 1
   c.train.log_every = 5
   c.train.mtp_weight = 0.0
   c.train.init = ""
   c.optim.muon = False
-  c.optim.lr = 1e-3
+  c.optim.lr = 2e-3
   c.optim.warmup_frac = 0.05
   c.data.source = "sft"
   c.data.sft_file = ""

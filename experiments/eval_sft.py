@@ -14,13 +14,16 @@ replies again, up to --max_rounds replies. Reported:
   exact_match   fraction of samples whose last reply's response channel equals the answer
   parse_rate    fraction of all replies that parse as an XTML assistant message closed by
                 `[end_of_msg]` (`chat.parse_reply(..., complete=True)`)
-both overall and per task, with a few example replies, written to --json (a temporary file
+both overall and per task, with `constant_answer`: the exact match of always giving each
+task's most frequent held-out answer (what a model that ignores the question can reach), and a
+few example replies, written to --json (a temporary file
 renamed). --checkpoint: any directory `load_pretrained` reads; --config: a run config whose
 model is initialised from its seed (the "before" figure of a run from scratch).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -132,11 +135,15 @@ def evaluate(config, variables, samples, *, max_new_tokens: int = 112, batch_siz
         nxt.append(i)
     pending = nxt
   ok = [sft_tasks.check(s, m) for s, m in zip(samples, final)]
-  by_task = {}
+  by_task, constant = {}, 0
   for t in sorted({s.task for s in samples}):
     idx = [i for i, s in enumerate(samples) if s.task == t]
-    by_task[t] = {"n": len(idx), "exact_match": sum(ok[i] for i in idx) / len(idx)}
+    top = max(collections.Counter(samples[i].answer for i in idx).values())
+    constant += top
+    by_task[t] = {"n": len(idx), "exact_match": sum(ok[i] for i in idx) / len(idx),
+                  "constant_answer": top / len(idx)}
   return {"num_samples": len(samples), "exact_match": sum(ok) / max(1, len(samples)),
+          "constant_answer": constant / max(1, len(samples)),
           "parse_rate": parsed / max(1, replies), "replies": replies, "by_task": by_task,
           "examples": [{"task": s.task, "answer": s.answer, "replies": texts[i],
                         "correct": ok[i]} for i, s in enumerate(samples[:6])]}

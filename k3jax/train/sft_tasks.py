@@ -5,7 +5,7 @@ Tasks (`TASKS`), each one user turn and the assistant's answer in its `response`
   sub         "What is 58-21?"                         → "37"        (a ≥ b, 0–99)
   reverse     "Reverse the word kelp."                 → "plek"      (3–6 random letters)
   upper       "Write kelp in upper case."              → "KELP"
-  count       "How many times does e occur in geese?"  → "3"         (a letter of the word)
+  count       "How many times does e occur in geese?"  → "3"         (1, 2 or 3 times)
   calculator  "Use the calculator to compute 412*37."  → a `tools` call
               calculator({"expression": "412*37"}), the tool's message "15244", then "15244"
               (the calculator is declared in the global options; a ×: 10–999 by 10–99)
@@ -68,23 +68,18 @@ def calculator(expression: str) -> str:
   """The calculator tool: an integer expression with + - * → its value as text."""
   if not isinstance(expression, str) or not _EXPR.match(expression):
     return "error: expected integers joined by + - *"
-  tokens = re.findall(r"-?\d+|[-+*]", expression.replace(" ", ""))
-  # After a number, "-5" is an operator and a number; re-split those.
-  flat: list[str] = []
-  for t in tokens:
-    if flat and flat[-1] not in "+-*" and t.startswith("-"):
-      flat += ["-", t[1:]]
-    else:
-      flat.append(t)
-  terms, sign, prod = [], 1, None
-  for t in flat:
-    if t in "+-":
-      terms.append(sign * prod)
-      sign, prod = (1 if t == "+" else -1), None
+  # A sum of products; where a number is expected, "-" negates it (the pattern allows one).
+  terms, sign, prod, neg, want_number = [], 1, 1, False, True
+  for t in re.findall(r"\d+|[-+*]", expression):
+    if want_number and t == "-":
+      neg = True
+    elif want_number:
+      prod, neg, want_number = prod * (-int(t) if neg else int(t)), False, False
     elif t == "*":
-      continue
+      want_number = True
     else:
-      prod = int(t) if prod is None else prod * int(t)
+      terms.append(sign * prod)
+      sign, prod, want_number = (1 if t == "+" else -1), 1, True
   terms.append(sign * prod)
   return str(sum(terms))
 
@@ -121,8 +116,12 @@ def _draw(task: str, rng, thinking: bool) -> Sample:
       key, answer = f"upper:{w}", w.upper()
       user, think = f"Write {w} in upper case.", f"Upper-case {w}."
     else:
-      c = w[int(rng.integers(0, len(w)))]
-      key, answer = f"count:{w},{c}", str(w.count(c))
+      # The letter occurs 1, 2 or 3 times (uniformly): no single answer wins.
+      c, k = w[0], int(rng.integers(1, 4))
+      others = [x for x in string.ascii_lowercase if x != c]
+      letters = list(rng.choice(others, len(w) + k - 1)) + [c] * k
+      w = "".join(letters[i] for i in rng.permutation(len(letters)))
+      key, answer = f"count:{w},{c}", str(k)
       user, think = f"How many times does {c} occur in {w}?", f"Count {c} in {w}."
     msgs = [chat.Message("user", user), _assistant(thinking, think, answer)]
   elif task == "calculator":

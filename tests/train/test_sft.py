@@ -2,7 +2,7 @@
 reference built from each message's own rendering, packing (whole conversations, segment ids,
 too-long ones counted), deterministic batches, and the trainer: bit-exact resume, train.init.
 
-The trainer runs share one config (2-layer `tiny`, rows of 96 tokens), so the step compiles
+The trainer runs share one config (1-layer `tiny`, rows of 96 tokens), so the step compiles
 once for the file."""
 
 import json
@@ -251,7 +251,7 @@ def test_eval_batches_pad_with_empty_rows():
 # ---------------------------------------------------------------------- trainer
 def _cfg(**over):
   c = base_config("tiny")
-  c.model.num_layers = 2
+  c.model.num_layers = 1               # one MLA layer with a dense MLP: a quick compile
   c.train.update(dict(steps=3, batch_size=2, seq_len=96, log_every=1, eval_every=0,
                       eval_batches=1, checkpoint_every=1, progress=False, tensorboard=False,
                       peak_flops=1e11, mtp_weight=0.0))
