@@ -207,3 +207,34 @@ def test_trainer_lora_run_and_resume(tmp_path):
   init = L.init_variables(config, jax.random.PRNGKey(cfg.seed))["lora"]
   assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(lora),
                                                        jax.tree.leaves(init)))
+
+
+def test_merge_lora_tool(tmp_path):
+  from k3jax.train.checkpoint import load_pretrained, save_pretrained
+  from tools.merge_lora import merge_checkpoint
+  config, _, s = _trained()
+  base_config = config.replace(lora_rank=0)
+  save_pretrained(tmp_path / "base", base_config, _base(s.variables))
+  L.save_adapters(tmp_path / "adapters", config, s.lora)
+  merged_config, path = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapters"),
+                                         str(tmp_path / "merged"))
+  got_config, got = load_pretrained(path)
+  assert got_config == merged_config == base_config
+  tok = _tokens()
+  np.testing.assert_allclose(np.asarray(_apply(base_config)(got, tok)),
+                             np.asarray(_apply(config)(s.variables, tok)), rtol=1e-4, atol=1e-4)
+  # A packed base stays packed: the same bytes as merge_adapters gives.
+  packed_config = base_config.replace(expert_format="mxfp4")
+  save_pretrained(tmp_path / "qbase", packed_config, _base(_packed(s.variables)))
+  q_config, q_path = merge_checkpoint(str(tmp_path / "qbase"), str(tmp_path / "adapters"),
+                                      str(tmp_path / "qmerged"))
+  _, q = load_pretrained(q_path)
+  _, want = L.merge_adapters(config.replace(expert_format="mxfp4"), _packed(s.variables))
+  assert q_config.expert_format == "mxfp4"
+  for a, b in zip(jax.tree.leaves(q["params"]), jax.tree.leaves(want["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  other = tmp_path / "other"
+  save_pretrained(other, base_config.replace(d_model=32, latent_moe_dim=32),
+                  _base(s.variables))
+  with pytest.raises(ValueError, match="another model"):
+    merge_checkpoint(str(other), str(tmp_path / "adapters"), str(tmp_path / "bad"))
