@@ -238,3 +238,26 @@ def test_merge_lora_tool(tmp_path):
                   _base(s.variables))
   with pytest.raises(ValueError, match="another model"):
     merge_checkpoint(str(other), str(tmp_path / "adapters"), str(tmp_path / "bad"))
+
+
+def test_adapters_shard_like_their_base():
+  from jax.sharding import PartitionSpec as P
+
+  from k3jax import sharding
+  config, _, _ = _trained()
+  mesh = sharding.abstract_mesh(dict(data=1, fsdp=2, expert=2, tensor=2), 8)
+  tx = L.make_optimizer(1e-3)
+  boxed = L.logical_variables(config)
+  state = L.abstract_state(config, tx, boxed)
+  sh = L.state_shardings(mesh, state, boxed)
+  attn = sh.lora["layers_0"]["self_attn"]
+  kernel = sh.params["layers_0"]["self_attn"]["q_proj"]["kernel"].spec     # [d, H, K]
+  assert kernel == P("fsdp", "tensor")
+  assert attn["q_proj"]["lora_a"].spec == P("fsdp")            # [d, r]: d like the kernel's
+  assert attn["q_proj"]["lora_b"].spec == P(None, "tensor")    # [r, H, K]: H like the kernel's
+  assert attn["o_proj"]["lora_a"].spec == P("tensor")          # [H, V, r]
+  experts = sh.lora["layers_1"]["block_sparse_moe"]["experts"]
+  assert experts["w1_lora_a"].spec[0] == "expert" and experts["w2_lora_b"].spec[0] == "expert"
+  # AdamW's moments follow the adapters they mirror.
+  mu = sh.opt_state[0].mu["layers_1"]["block_sparse_moe"]["experts"]["w1_lora_a"]
+  assert mu == experts["w1_lora_a"]
