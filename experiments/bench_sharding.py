@@ -31,6 +31,16 @@ donated. `INFERENCE_RECIPES` holds the slices tried (chips → layout, topology)
 --devices 0 every recipe is compiled and the smallest slice whose peak fits the chip's HBM is
 reported ("smallest_fit"). Experts over `expert`, every other weight over fsdp+expert.
 
+Part "qlora": the training state of a k3 QLoRA fine-tuning recipe (`QLORA_RECIPE`: routed
+experts packed MXFP4 and frozen, every other base weight bf16 and frozen, fp32 LoRA adapters on
+`--lora_targets` at `--lora_rank` with AdamW's two fp32 moments, k3jax/train/lora.py) per chip,
+for each slice of `INFERENCE_RECIPES` (or --devices), from the shardings of the LoRA step's
+abstract state on an AbstractMesh (`k3jax.train.lora.build_lora_step`: no compile, no
+devices): base weights, adapters, optimizer state. It is a lower bound of the compiled peak —
+activations, gradients and temporaries are not in it; with libtpu installed the part "memory"
+route (deviceless TPU compile) gives those, this part does not compile. "smallest_fit" is the
+smallest slice whose state leaves at least `QLORA_HEADROOM_GIB` of the 95 GiB free.
+
 Part "ep": on N simulated CPU devices (--ep_devices, default 8), the `small` preset's jitted
 train step with experts sharded over `expert` (all_to_all dispatch) vs. the same step with
 experts replicated and the batch split over `data`; one layout per subprocess
@@ -48,6 +58,7 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part ep --ep_devices 4 --steps 5
   .venv/bin/python experiments/bench_sharding.py --part inference          # k3, packed experts
   .venv/bin/python experiments/bench_sharding.py --part inference --devices 32 --num_layers 9
+  .venv/bin/python experiments/bench_sharding.py --part qlora              # k3 QLoRA state
   --out FILE writes the JSON object too; the last printed line is that JSON.
 """
 
@@ -85,6 +96,12 @@ INFERENCE_RECIPES = {
     64: dict(layout=dict(data=1, fsdp=1, expert=64, context=1, tensor=1), topology="v5p:4x4x4"),
 }
 V5P_HBM_GIB = 95.0
+# k3 QLoRA fine-tuning (part "qlora"): packed frozen experts, bf16 frozen base, fp32 adapters on
+# the attention, gate, shared-expert and latent projections (no per-expert adapters: at rank 16
+# those alone are 26.6B parameters, tools/param_count), sequences of 4096 tokens, one per chip.
+QLORA_RECIPE = dict(lora_rank=16, lora_targets=("q", "k", "v", "o", "gates", "shared", "latent"),
+                    seq_len=4096)
+QLORA_HEADROOM_GIB = 32.0   # left for activations (remat), gradients and temporaries
 # Parameters sharded over fsdp AND expert (dense weights too), fallbacks to fsdp alone.
 PARAM_AXES = ("fsdp", "expert")
 LIBTPU_MISSING = (
@@ -312,6 +329,47 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
               state_gib_per_device=_shard_gib(state, sh))
 
 
+def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
+               seq_len: int) -> dict:
+  """Per-chip bytes of the k3 QLoRA training state (module doc, part "qlora")."""
+  import jax
+
+  from k3jax import sharding
+  from k3jax.config import preset
+  from k3jax.train import lora as lora_lib
+  from k3jax.train import trainer
+
+  layout = INFERENCE_RECIPES[num_devices]["layout"]
+  mesh = sharding.abstract_mesh(layout, num_devices)
+  config = preset("k3", dtype="bfloat16", param_dtype="bfloat16", remat=True, scan_layers=True,
+                  moe_capacity_factor=1.25, kernel_backend="xla", expert_format="mxfp4",
+                  lora_rank=lora_rank, lora_targets=tuple(lora_targets))
+  cfg = trainer.base_config("tiny")
+  cfg.train.batch_size = sharding.axis_size(mesh, sharding.BATCH_AXES)   # one sequence each
+  cfg.train.seq_len = seq_len
+  step = lora_lib.build_lora_step(cfg, config, mesh,
+                                  rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  state, sh = step.train.abstract_state, step.train.state_shardings
+  gib = 2.0 ** 30
+  total = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) / gib  # noqa
+  per_chip = _shard_gib(state, sh)
+  return dict(part="qlora", preset="k3", devices=num_devices, layout=layout,
+              topology=INFERENCE_RECIPES[num_devices]["topology"],
+              param_axes=list(PARAM_AXES), expert_format=config.expert_format,
+              param_dtype=config.param_dtype, lora_rank=lora_rank,
+              lora_targets=list(lora_targets), seq_len=seq_len,
+              global_batch=cfg.train.batch_size,
+              adapter_params=int(sum(x.size for x in jax.tree.leaves(state.lora))),
+              base_gib_total=total((state.params, state.balance)),
+              adapter_gib_total=total(state.lora), opt_gib_total=total(state.opt_state),
+              base_gib_per_device=_shard_gib((state.params, state.balance),
+                                             (sh.params, sh.balance)),
+              adapter_gib_per_device=_shard_gib(state.lora, sh.lora),
+              opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
+              state_gib_per_device=per_chip,
+              fits=per_chip + QLORA_HEADROOM_GIB <= V5P_HBM_GIB, compiled=False)
+
+
 def ep_layouts(n: int) -> dict:
   return {"replicated": (f"replicated experts (data={n})", dict(data=n)),
           "expert": (f"expert parallel (expert={n})", dict(data=1, expert=n))}
@@ -409,6 +467,18 @@ def _print(r: dict) -> None:
   elif r["part"] == "inference_summary":
     print(f"smallest slice tried that holds the packed-expert inference step: "
           f"{r['smallest_fit'] or 'none of ' + str(r['tried'])} chips")
+  elif r["part"] == "qlora":
+    print(f"k3 QLoRA state (experts {r['expert_format']}, base {r['param_dtype']}, LoRA rank "
+          f"{r['lora_rank']} on {','.join(r['lora_targets'])}: {r['adapter_params'] / 1e6:.1f}M "
+          f"adapter params), {r['devices']} chips ({r['topology']}), layout {r['layout']}: "
+          f"per chip base {r['base_gib_per_device']:.2f} GiB + adapters "
+          f"{r['adapter_gib_per_device']:.3f} GiB + AdamW {r['opt_gib_per_device']:.3f} GiB = "
+          f"{r['state_gib_per_device']:.2f} GiB ({'fits' if r['fits'] else 'does not fit'} "
+          f"{V5P_HBM_GIB:.0f} GiB with {QLORA_HEADROOM_GIB:.0f} GiB left for activations; "
+          f"state only, not compiled)")
+  elif r["part"] == "qlora_summary":
+    print(f"smallest v5p slice tried whose k3 QLoRA state leaves {QLORA_HEADROOM_GIB:.0f} GiB "
+          f"free: {r['smallest_fit'] or 'none of ' + str(r['tried'])} chips")
   elif r["part"] == "state":
     print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
           f"{'+'.join(r['param_axes'])}, kernels {r['param_dtype']}, first moments "
@@ -439,7 +509,11 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   define --preset, --steps or --out.
   """
   fv = dict(flag_values=flag_values)
-  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference"],
+  flags.DEFINE_integer("lora_rank", QLORA_RECIPE["lora_rank"], "qlora part: adapter rank",
+                       **fv)
+  flags.DEFINE_string("lora_targets", ",".join(QLORA_RECIPE["lora_targets"]),
+                      "qlora part: LoRA targets, comma-separated", **fv)
+  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference", "qlora"],
                     "what to measure ('all' = memory + state + ep)", **fv)
   flags.DEFINE_integer("inf_batch", 64, "inference part: sequences", **fv)
   flags.DEFINE_integer("inf_max_len", 8192, "inference part: cache capacity in tokens", **fv)
@@ -577,6 +651,15 @@ def run(a: flags.FlagValues) -> None:
         fits.append(n)
     results.append(dict(part="inference_summary", tried=[r["devices"] for r in results
                                                          if r["part"] == "inference"],
+                        smallest_fit=min(fits) if fits else None))
+  if a.part == "qlora":
+    targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip())
+    tried = [a.devices] if a.devices else sorted(INFERENCE_RECIPES)
+    rows = [qlora_part(n, a.lora_rank, targets, a.seq_len or QLORA_RECIPE["seq_len"])
+            for n in tried]
+    results += rows
+    fits = [r["devices"] for r in rows if r["fits"]]
+    results.append(dict(part="qlora_summary", tried=tried,
                         smallest_fit=min(fits) if fits else None))
   if a.part in ("all", "ep"):
     rows = [_subprocess(["--part", "ep", "--ep_layout", key, "--steps", str(a.steps),

@@ -1,6 +1,7 @@
 """Parameter count of a preset through `jax.eval_shape` (nothing is allocated).
 
   python -m tools.param_count --preset k3 [--json] [--vision_preset NAME|none]
+  python -m tools.param_count --preset k3 --lora_rank 16 [--lora_targets q,k,v,o,...] [--json]
 
 total: every parameter of the main model (input embedding and lm_head included, untied);
 activated: what one token uses — routed experts count k/E of their parameters, the input
@@ -23,6 +24,14 @@ code + one E8M0 byte per 32) and everything else at 2 bytes, "routed_experts": {
 has. (The release also keeps a few vectors in fp32 — A_log, dt_bias, conv kernels: ~10M
 parameters for k3 — which this 2-byte figure rounds away.) k3: 5.559 TB in bf16, 1.560 TB with
 MXFP4 experts (experts 5.4455 TB → 1.4465 TB; the release is 1.56 TB with its vision tower).
+
+lora (`--lora_rank R`, `count_lora`): the adapters of `--lora_targets` (k3jax.config.LORA_TARGETS,
+comma-separated; "all" for every one) at rank R — trainable parameters, in all and per target
+— against full fine-tuning of the text model (every parameter of `total` + the MTP module;
+the vision tower is not fine-tuned either way), and the optimizer state each needs, from the
+optimizers' own `init` under `jax.eval_shape`: LoRA's AdamW over the adapters (two fp32
+moments each, k3jax/train/lora.py) vs the pre-training optimizer (Per-Head Muon momentum +
+AdamW moments, fp32, k3jax/train/optim.py) and vs AdamW on everything.
 """
 
 from __future__ import annotations
@@ -126,6 +135,82 @@ def count_params(config) -> dict:
   return out
 
 
+# LoRA target of an adapted module, from its name (k3jax/config.py's LORA_TARGETS table); the
+# MLP projections are "dense" or "shared" by their parent, experts by their leaf names.
+_TARGET_OF = {"q_proj": "q", "q_a_proj": "q", "q_b_proj": "q", "k_proj": "k", "v_proj": "v",
+              "kv_a_proj_with_mqa": "k,v", "kv_b_proj": "k,v", "o_proj": "o",
+              "f_a_proj": "gates", "f_b_proj": "gates", "b_proj": "gates", "g_proj": "gates",
+              "g_a_proj": "gates", "g_b_proj": "gates", "routed_expert_down_proj": "latent",
+              "routed_expert_up_proj": "latent"}
+
+
+def _lora_target(keys: list[str]) -> str:
+  if keys[-1].startswith(("w1_", "w2_", "w3_")):
+    return "experts"
+  mod = keys[-2]
+  if mod in ("gate_proj", "up_proj", "down_proj"):
+    return "shared" if "shared_experts" in keys else "dense"
+  return _TARGET_OF[mod]
+
+
+def count_lora(config, rank: int, targets: tuple[str, ...], alpha: float = 16.0) -> dict:
+  """Adapter parameters and optimizer bytes of LoRA at `rank` on `targets` vs full
+  fine-tuning (module doc), from shapes only. Plain ints; bytes in bytes."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from k3jax.model import K3Model
+  from k3jax.train import lora as lora_lib
+  from k3jax.train.optim import make_optimizer
+
+  config = config.replace(vision=None, media_placeholder_token_id=None, expert_format="bf16",
+                          lora_rank=rank, lora_targets=tuple(targets), lora_alpha=alpha)
+  shapes = nn.unbox(jax.eval_shape(K3Model(config).init, jax.random.key(0),
+                                   jnp.zeros((1, 2), jnp.int32)))
+  size = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))   # noqa: E731
+  nbytes = lambda t: sum(int(np.prod(x.shape)) * x.dtype.itemsize           # noqa: E731
+                         for x in jax.tree.leaves(t))
+  by_target: dict[str, int] = {}
+  mtp = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(shapes["lora"]):
+    keys = [getattr(k, "key", str(k)) for k in path]
+    n = int(np.prod(x.shape))
+    if keys[0] == "mtp":
+      mtp += n
+    t = _lora_target(keys)
+    by_target[t] = by_target.get(t, 0) + n
+  adapters = size(shapes["lora"])
+  full = size(shapes["params"])
+  lora_opt = jax.eval_shape(lora_lib.make_optimizer(1e-3).init, shapes["lora"])
+  variables = {"params": shapes["params"], "balance": shapes.get("balance", {})}
+  muon_opt = jax.eval_shape(make_optimizer(1e-3).init, variables)
+  adamw_opt = jax.eval_shape(make_optimizer(1e-3, muon=False).init, variables)
+  return {
+      "preset": config.name, "lora_rank": rank, "lora_targets": list(targets),
+      "adapter_params": adapters, "adapter_params_mtp": mtp,
+      "adapter_params_by_target": dict(sorted(by_target.items())),
+      "full_params": full, "adapter_fraction": adapters / full,
+      "adapter_bytes_fp32": 4 * adapters,
+      "optimizer_bytes": {"lora_adamw": nbytes(lora_opt),
+                          "full_muon_adamw": nbytes(muon_opt),
+                          "full_adamw": nbytes(adamw_opt)},
+  }
+
+
+def format_lora(c: dict) -> str:
+  o = c["optimizer_bytes"]
+  lines = [f"preset {c['preset']}: LoRA rank {c['lora_rank']} on {','.join(c['lora_targets'])}",
+           f"adapter params {_fmt(c['adapter_params'])} ({100 * c['adapter_fraction']:.4f}% of "
+           f"{_fmt(c['full_params'])} fine-tuned in full; MTP adapters "
+           f"{_fmt(c['adapter_params_mtp'])})"]
+  lines += [f"  {t:<10}{_fmt(n):>14}" for t, n in c["adapter_params_by_target"].items()]
+  lines.append(f"optimizer state: LoRA AdamW {_fmt(o['lora_adamw'])}B vs full fine-tuning "
+               f"Muon+AdamW {_fmt(o['full_muon_adamw'])}B, AdamW {_fmt(o['full_adamw'])}B")
+  return "\n".join(lines)
+
+
 def with_vision(config, vision_preset: str = ""):
   """`config` with the tower `--vision_preset` names: "" keeps config.vision; "none" drops it;
   another name is that `k3jax.vision` preset, its projector width set to config.d_model (a
@@ -185,11 +270,22 @@ def define_flags() -> None:
   flags.DEFINE_string("vision_preset", "", "k3jax.vision preset counted as `vision` beside the "
                       "text totals; default: the preset's own tower (k3: moonvit_v2), 'none' "
                       "to omit")
+  flags.DEFINE_integer("lora_rank", 0, "> 0: count LoRA adapters of this rank vs full "
+                       "fine-tuning instead of the model's parameters")
+  flags.DEFINE_string("lora_targets", "q,k,v,o", "LoRA targets, comma-separated "
+                      "(k3jax.config.LORA_TARGETS), or 'all'")
+  flags.DEFINE_float("lora_alpha", 16.0, "LoRA alpha (the scale is alpha / rank)")
 
 
 def main(argv):
   del argv
-  from k3jax.config import preset
+  from k3jax.config import LORA_TARGETS, preset
+  if FLAGS.lora_rank:
+    targets = (LORA_TARGETS if FLAGS.lora_targets == "all" else
+               tuple(t.strip() for t in FLAGS.lora_targets.split(",") if t.strip()))
+    c = count_lora(preset(FLAGS.preset), FLAGS.lora_rank, targets, FLAGS.lora_alpha)
+    print(json.dumps(c, indent=1) if FLAGS.json else format_lora(c))
+    return
   counts = count_params(with_vision(preset(FLAGS.preset), FLAGS.vision_preset))
   print(json.dumps(counts, indent=1) if FLAGS.json else format_table(counts))
 

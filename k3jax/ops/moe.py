@@ -435,7 +435,8 @@ def grouped_experts(rows: Array, group_sizes: Array, w1: Array, w3: Array, w2: A
   """The expert MLP on rows sorted by expert: [M, D] → [M, D] in rows.dtype.
 
   group_sizes [E]: rows per expert (rows past their sum give zeros); w1, w3 [E, D, F],
-  w2 [E, F, D] in rows.dtype (or `LoRAExperts` of those); act(a, b) the gated activation. Three `gmm` calls.
+  w2 [E, F, D] in rows.dtype (or `LoRAExperts` of those: two more calls each); act(a, b) the
+  gated activation. Three `gmm` calls.
   """
   def mm(x, w):   # an adapter adds (x·A)·b: two more grouped matmuls of width r
     if is_lora(w):

@@ -157,3 +157,17 @@ def test_expert_adapter_shape_errors():
   packed = _experts(True)
   with pytest.raises(ValueError, match="grouped matmul"):
     moe_ops.expert_mlp(x, w, idx, *packed, gmm=moe_ops.ragged_gmm)
+
+
+def test_expert_parallel_with_adapters():
+  # QLoRA experts (packed base + adapters) shard over `expert` (all_to_all dispatch, 4 CPU
+  # devices); each device dequantises its own experts.
+  from k3jax import sharding
+  from k3jax.parallel import expert as ep_lib
+  x, w, idx = _routing()
+  lws = _experts(True)
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, expert=4), devices=jax.devices()[:4])
+  y, dropped = ep_lib.expert_mlp_ep(mesh, x, w, idx, *lws)
+  ref = moe_ops.expert_mlp_reference(x, w, idx, *lws)[0]
+  assert int(dropped) == 0
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=2e-4, atol=2e-4)
