@@ -144,7 +144,7 @@ def partial(out: pathlib.Path, config, variables):
                           temperature=1.0, limit_fn=pareto, seed=0)
     pool.round(config, variables, 0, jax.random.PRNGKey(0))   # compile
     secs, steps, done, toks = [], [], 0, 0
-    for r in range(12):
+    for r in range(30):
       groups, st = pool.round(config, variables, 0, jax.random.PRNGKey(r + 1))
       secs.append(st.seconds)
       steps.append(st.steps)
@@ -154,7 +154,7 @@ def partial(out: pathlib.Path, config, variables):
                          "round_seconds": secs, "decode_steps": steps,
                          "finished_per_s": done / sum(secs), "tokens_per_s": toks / sum(secs)}
     print(lam, res[f"lam={lam}"]["round_seconds_mean"], res[f"lam={lam}"]["finished_per_s"])
-  _write(out, "partial", {"n_prompts": 8, "k": 4, "rounds": 12, "max_new_tokens": max_new,
+  _write(out, "partial", {"n_prompts": 8, "k": 4, "rounds": 30, "max_new_tokens": max_new,
                           "lengths": "min(64, 4 + floor(4·Pareto(1.2)))", **res})
 
 
