@@ -27,7 +27,7 @@ def _run(tmp_path, name, *extra):
   return json.loads(out.read_text())
 
 
-def test_greedy_and_speculative_write_the_same_tokens(tmp_path, capsys):
+def test_greedy_and_speculative_write_the_same_tokens(tmp_path, capsys, small_models):
   plain = _run(tmp_path, "plain")
   spec = _run(tmp_path, "spec", "--speculative")
   assert plain["prompt_tokens"] == list(b"K3 says")
@@ -48,11 +48,12 @@ def test_bad_flags(tmp_path):
 
 @functools.lru_cache(maxsize=None)
 def _small(preset_name):
-  """A random 4-layer model of the preset (a third of the 13-layer compile time)."""
+  """A random 2-layer model of the preset, KDA then MLA (+ its MTP layer): every kind of
+  cache, a fraction of the 13-layer compile time."""
   import jax
   import k3jax
   from k3jax.model import K3Model
-  cfg = k3jax.preset(preset_name, num_layers=4)
+  cfg = k3jax.preset(preset_name, num_layers=2, mla_every=2)
   return cfg, jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0),
                                          jax.numpy.zeros((1, 4), jax.numpy.int32))
 

@@ -15,7 +15,7 @@ from k3jax.train import trainer
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OVERRIDES = {"model.num_layers": 4, "train.steps": 4, "train.batch_size": 2,
+OVERRIDES = {"model.num_layers": 2, "model.mla_every": 2, "train.steps": 4, "train.batch_size": 2,
              "train.seq_len": 64, "data.media_length": 64, "train.log_every": 1,
              "train.eval_every": 2, "train.eval_batches": 1, "train.checkpoint_every": 2,
              "train.progress": False, "train.tensorboard": False,
