@@ -11,6 +11,8 @@ python -m experiments.rl_figures --figure=all --out=runs/rl_figures
               parameters, same number of rounds.
   reward      RL rounds from the cold start without budget: mean reward per round.
   budget      the same with the effort budget (τ annealed): length and reward per round.
+  mopd        a weaker student distilled from a better and from a worse teacher (MOPD only):
+              teachers' and student's accuracy before/after.
 Every figure writes OUT/<figure>.json with its settings and the command's date.
 """
 
@@ -25,7 +27,7 @@ import time
 from absl import app, flags
 
 _FIGURE = flags.DEFINE_enum("figure", "all",
-                            ["all", "cold_start", "mismatch", "partial", "reward", "budget"],
+                            ["all", "cold_start", "mismatch", "partial", "reward", "budget", "mopd"],
                             "Which measurement.")
 _OUT = flags.DEFINE_string("out", "runs/rl_figures", "Output directory.")
 _ROUNDS = flags.DEFINE_integer("rounds", 30, "RL rounds of the reward/budget figures.")
@@ -63,8 +65,9 @@ def _cfg():
   return c
 
 
-def cold_start(out: pathlib.Path):
-  """(config, variables) after the supervised warm-up (trained once, then reloaded)."""
+def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_start"):
+  """(config, variables) after `steps` supervised warm-up steps (trained once, then
+  reloaded from OUT/<name>)."""
   import jax
   import numpy as np
   from k3jax.rl import tasks
@@ -73,12 +76,13 @@ def cold_start(out: pathlib.Path):
   from k3jax.train.step import create_state
   from k3jax.train.trainer import model_config
 
-  path = out / "cold_start"
+  steps = steps or _SFT_STEPS.value
+  path = out / name
   if path.exists():
     return load_pretrained(path)
   c = _cfg()
   config = model_config(c)
-  c.train.steps = _SFT_STEPS.value
+  c.train.steps = steps
   c.optim.update(dict(lr=3e-3, warmup_frac=0.05, final_lr_frac=0.1))
   step = build_step(c, config)
   state = create_state(config, jax.random.PRNGKey(c.seed), step.tx)
@@ -86,7 +90,7 @@ def cold_start(out: pathlib.Path):
   rng = np.random.default_rng(0)
   batch, width = 32, c.rl.max_prompt_len + c.rl.max_new_tokens
   losses, t0 = [], time.perf_counter()
-  for s in range(_SFT_STEPS.value):
+  for s in range(steps):
     rows = np.zeros((batch, width + 1), np.int32)
     mask = np.zeros((batch, width), np.float32)
     for i, t in enumerate(sampler.sample(batch)):
@@ -97,11 +101,11 @@ def cold_start(out: pathlib.Path):
     b = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": mask,
          "segment_ids": np.zeros((batch, width), np.int32)}
     state, m = step.train(state, b)
-    if s % 50 == 0 or s == _SFT_STEPS.value - 1:
+    if s % 50 == 0 or s == steps - 1:
       losses.append((s, float(m["loss"])))
       print(f"cold start step {s}: loss {float(m['loss']):.3f}")
   save_pretrained(path, config, state.variables)
-  _write(out, "cold_start", {"steps": _SFT_STEPS.value, "batch": batch, "loss": losses,
+  _write(out, name, {"steps": steps, "batch": batch, "loss": losses,
                              "seconds": time.perf_counter() - t0})
   return load_pretrained(path)
 
@@ -169,6 +173,45 @@ def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
                      "lr": c.optim.lr, "seconds": time.perf_counter() - t0, "rounds": hist})
 
 
+def accuracy(config, variables, n: int = 64, seed: int = 99) -> float:
+  """Mean exact-answer rate of sampled (temperature 1) responses on n fresh prompts."""
+  import jax
+  from k3jax.rl import rewards, rollout as R, tasks
+  c = _cfg()
+  ts = tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=seed).sample(n)
+  o = R.rollout(config, variables, [t.tokens for t in ts], c.rl.max_new_tokens,
+                key=jax.random.PRNGKey(seed), width=c.rl.max_prompt_len + c.rl.max_new_tokens,
+                stop_tokens=[tasks.STOP_TOKEN])
+  texts = [tasks.decode(o.row(b)[0]) for b in range(n)]
+  return float(rewards.task_rewards(ts, texts).mean())
+
+
+def mopd(out: pathlib.Path, config, variables):
+  """A weaker student (100 cold-start steps) distilled on-policy from a better teacher (the
+  300-step cold start) or a worse one (the untrained initial model): the loop's loss (task
+  reward with group baseline + MOPD, mopd_coef 1), no budget."""
+  import jax
+  from k3jax.rl import loop
+  from k3jax.rl.rewards import Teachers
+  from k3jax.train.step import init_variables
+  s_cfg, student = cold_start(out, 100, "cold_start_100")
+  weak = init_variables(config, jax.random.PRNGKey(0))
+  res = {"student_start_accuracy": accuracy(s_cfg, student)}
+  c = _cfg()
+  for name, tv in (("better", variables), ("worse", weak)):
+    res[f"teacher_{name}_accuracy"] = accuracy(config, tv)
+    c = _cfg()
+    c.budget.enabled = False
+    c.loss.update(dict(mopd_coef=1.0, r_max=1.0))
+    teachers = Teachers({(d, e): (config, tv) for d in c.rl.domains for e in c.rl.efforts},
+                        config.vocab_size)
+    hist, state = loop.run(c, s_cfg, student, teachers=teachers, out_dir=out / f"mopd_{name}")
+    res[f"student_with_{name}_teacher"] = {"accuracy_after": accuracy(s_cfg, state.variables),
+                                           "rounds": hist}
+    print(name, res[f"teacher_{name}_accuracy"], res[f"student_with_{name}_teacher"]["accuracy_after"])
+  _write(out, "mopd", {"rl": dict(c.rl), "loss": dict(c.loss), "lr": c.optim.lr, **res})
+
+
 def main(argv):
   del argv
   out = pathlib.Path(_OUT.value)
@@ -183,6 +226,8 @@ def main(argv):
     rl_run(out, "reward", config, variables, budget=False)
   if fig in ("all", "budget"):
     rl_run(out, "budget", config, variables, budget=True)
+  if fig in ("all", "mopd"):
+    mopd(out, config, variables)
 
 
 if __name__ == "__main__":

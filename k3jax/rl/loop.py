@@ -118,7 +118,10 @@ def run(cfg, config: ModelConfig, variables: dict, *, teachers: Teachers | None 
   taus = tau_schedule(cfg)
   width = r.max_prompt_len + r.max_new_tokens
   variables = {"params": variables["params"], "balance": variables.get("balance", {})}
-  initial = jax.tree.map(jnp.array, variables)        # a copy: the state buffers are donated
+  # Copies: the step donates the state's buffers, and neither the caller's arrays nor the
+  # initial policy (b₀, the KL reference) may be among them.
+  initial = jax.tree.map(jnp.array, variables)
+  variables = jax.tree.map(jnp.array, variables)
   tx, _ = optimizer(cfg, config)
   state = TrainState(step=jnp.zeros([], jnp.int32), params=variables["params"],
                      balance=variables["balance"], opt_state=tx.init(variables))

@@ -37,6 +37,8 @@ def test_one_round(tmp_path):
   assert m["kl"] >= 0 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
   assert m["rollout_tokens_per_s"] > 0 and m["train_tokens_per_s"] > 0
   assert int(state.step) == 1
+  # The caller's arrays were not donated to the step (they are still readable and unchanged).
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, v["params"]), before)
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), state.params, before)
   assert max(jax.tree.leaves(moved)) > 0
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
