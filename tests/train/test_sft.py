@@ -187,9 +187,7 @@ def test_packing_keeps_conversations_whole(lengths, seed):
     assert starts[0] == 0
     ends = list(starts[1:]) + [int(np.sum(tok != D.PAD))]
     for j, (a, b) in enumerate(zip(starts, ends)):
-      k = int(tok[a + 1]) - 1 if b - a > 1 else None
-      if k is None:   # a 1-token conversation is impossible here (lengths >= 2)
-        raise AssertionError
+      k = int(tok[a + 1]) - 1            # conversation k is [BOS] (k+1)…, at least 2 tokens
       assert b - a == lengths[k] and (tok[a + 1:b] == k + 1).all()   # whole, in one piece
       assert (seg[a:b] == j + 1).all()
       np.testing.assert_array_equal(ast[a:b], ex[k][1])
@@ -298,6 +296,8 @@ def test_init_from_checkpoint(straight, tmp_path):
   _, saved = k3jax.load_pretrained(src)
   jax.tree.map(np.testing.assert_array_equal, state.params, saved["params"])
   jax.tree.map(np.testing.assert_array_equal, state.opt_state, tx.init(state.variables))
+  with pytest.raises(ValueError, match="train.init: '/no/such' does not exist"):
+    train(_cfg(**{"train.init": "/no/such"}), str(tmp_path / "x"))
   with pytest.raises(ValueError, match="num_layers"):
     init_from(str(src), model_config(_cfg(**{"model.num_layers": 3})), fresh, tx)
   # End to end: a run from the checkpoint; its resume does not read train.init again.
