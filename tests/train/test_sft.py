@@ -215,7 +215,8 @@ def test_rows_to_batch_shifts_masks_and_targets():
       np.pad(ids, (0, 2), constant_values=D.PAD), np.pad(mask, (0, 2)),
       np.ones(len(ids) + 2, np.int32))))
   trained = b["targets"][0][b["loss_mask"][0] > 0]
-  assert D.ByteTokenizer().decode(trained, specials=True) == "[open]response[sep]a[close][end_of_msg]"
+  want = "[open]response[sep]a[close][end_of_msg]"
+  assert D.ByteTokenizer().decode(trained, specials=True) == want
 
 
 def test_batches_are_deterministic_epochs():
