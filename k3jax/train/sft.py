@@ -92,7 +92,7 @@ def _message(m: Any, field: str) -> chat.Message:
   _need(isinstance(m, dict), field, f"expected an object, found {_type(m)}")
   role = m.get("role")
   _need("role" in m, field, "missing key 'role'")
-  _need(role in _MESSAGE_KEYS, f"{field}.role",
+  _need(isinstance(role, str) and role in _MESSAGE_KEYS, f"{field}.role",
         f"expected one of {', '.join(chat.ROLES)}, found {role!r}")
   unknown = sorted(set(m) - _MESSAGE_KEYS[role])
   _need(not unknown, field, f"unknown key(s) {unknown} for a {role} message (allowed: "

@@ -59,6 +59,7 @@ BAD = [
     ({"options": {}}, "missing key 'messages'"),
     (_msgs(USER, {"role": "bot", "content": "x"}), "messages[1].role: expected one of"),
     (_msgs(USER, {"content": "x"}), "messages[1]: missing key 'role'"),
+    (_msgs(USER, {"role": ["user"], "content": "x"}), "messages[1].role: expected one of"),
     (_msgs({"role": "user", "content": 3}, ASSISTANT), "messages[0].content: expected a string"),
     (_msgs({"role": "user"}, ASSISTANT), "messages[0]: missing key 'content'"),
     (_msgs(USER, {"role": "user", "content": "x", "think": "t"}),
