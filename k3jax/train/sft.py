@@ -54,6 +54,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 from typing import Any, Sequence
 
@@ -91,7 +92,7 @@ def _message(m: Any, field: str) -> chat.Message:
   _need(isinstance(m, dict), field, f"expected an object, found {_type(m)}")
   role = m.get("role")
   _need("role" in m, field, "missing key 'role'")
-  _need(role in _MESSAGE_KEYS, f"{field}.role",
+  _need(isinstance(role, str) and role in _MESSAGE_KEYS, f"{field}.role",
         f"expected one of {', '.join(chat.ROLES)}, found {role!r}")
   unknown = sorted(set(m) - _MESSAGE_KEYS[role])
   _need(not unknown, field, f"unknown key(s) {unknown} for a {role} message (allowed: "
@@ -134,10 +135,7 @@ def _message(m: Any, field: str) -> chat.Message:
     _need(not (think is None and response is None and calls is None), field,
           "an assistant message needs at least one of 'think', 'response', 'tool_calls'")
     msg = chat.Message("assistant", response, think, calls)
-  try:
-    chat.render_message(msg, field)       # a marker inside a text: named by field and offset
-  except ValueError as e:
-    raise ValueError(str(e)) from None
+  chat.render_message(msg, field)         # a marker inside a text: named by field and offset
   return msg
 
 
@@ -216,7 +214,6 @@ def read_jsonl(path: str) -> list[chat.Conversation]:
 
 def write_jsonl(path: str, convs: Sequence[chat.Conversation]) -> None:
   """Conversations → JSONL (a temporary file renamed when complete)."""
-  import os
   tmp = f"{path}.tmp.{os.getpid()}"
   with open(tmp, "w", encoding="utf-8") as f:
     for c in convs:

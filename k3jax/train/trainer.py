@@ -231,6 +231,8 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
                       async_save=t.get("async_checkpoint", True))
   ckpt.check_config(config)                      # a checkpoint of another model: fail now
   _check_signature(ckpt, cfg)
+  if t.get("init", "") and ckpt.latest_step() is None and not os.path.exists(t.init):
+    raise ValueError(f"config.train.init: {t.init!r} does not exist")
 
   tx, _, step_fn, eval_fn = _cached_step(cfg, config, mesh)
   rng = jax.random.PRNGKey(cfg.seed)

@@ -59,6 +59,7 @@ BAD = [
     ({"options": {}}, "missing key 'messages'"),
     (_msgs(USER, {"role": "bot", "content": "x"}), "messages[1].role: expected one of"),
     (_msgs(USER, {"content": "x"}), "messages[1]: missing key 'role'"),
+    (_msgs(USER, {"role": ["user"], "content": "x"}), "messages[1].role: expected one of"),
     (_msgs({"role": "user", "content": 3}, ASSISTANT), "messages[0].content: expected a string"),
     (_msgs({"role": "user"}, ASSISTANT), "messages[0]: missing key 'content'"),
     (_msgs(USER, {"role": "user", "content": "x", "think": "t"}),
@@ -187,9 +188,7 @@ def test_packing_keeps_conversations_whole(lengths, seed):
     assert starts[0] == 0
     ends = list(starts[1:]) + [int(np.sum(tok != D.PAD))]
     for j, (a, b) in enumerate(zip(starts, ends)):
-      k = int(tok[a + 1]) - 1 if b - a > 1 else None
-      if k is None:   # a 1-token conversation is impossible here (lengths >= 2)
-        raise AssertionError
+      k = int(tok[a + 1]) - 1            # conversation k is [BOS] (k+1)…, at least 2 tokens
       assert b - a == lengths[k] and (tok[a + 1:b] == k + 1).all()   # whole, in one piece
       assert (seg[a:b] == j + 1).all()
       np.testing.assert_array_equal(ast[a:b], ex[k][1])
@@ -217,7 +216,8 @@ def test_rows_to_batch_shifts_masks_and_targets():
       np.pad(ids, (0, 2), constant_values=D.PAD), np.pad(mask, (0, 2)),
       np.ones(len(ids) + 2, np.int32))))
   trained = b["targets"][0][b["loss_mask"][0] > 0]
-  assert D.ByteTokenizer().decode(trained, specials=True) == "[open]response[sep]a[close][end_of_msg]"
+  want = "[open]response[sep]a[close][end_of_msg]"
+  assert D.ByteTokenizer().decode(trained, specials=True) == want
 
 
 def test_batches_are_deterministic_epochs():
@@ -298,6 +298,8 @@ def test_init_from_checkpoint(straight, tmp_path):
   _, saved = k3jax.load_pretrained(src)
   jax.tree.map(np.testing.assert_array_equal, state.params, saved["params"])
   jax.tree.map(np.testing.assert_array_equal, state.opt_state, tx.init(state.variables))
+  with pytest.raises(ValueError, match="train.init: '/no/such' does not exist"):
+    train(_cfg(**{"train.init": "/no/such"}), str(tmp_path / "x"))
   with pytest.raises(ValueError, match="num_layers"):
     init_from(str(src), model_config(_cfg(**{"model.num_layers": 3})), fresh, tx)
   # End to end: a run from the checkpoint; its resume does not read train.init again.
