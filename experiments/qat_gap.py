@@ -66,7 +66,7 @@ def _expert_matrices(params):
 
 
 def mxfp4_relative_error(params) -> float:
-  """‖w − MXFP4(w)‖_F / ‖w‖_F over all routed expert matrices (the exporter's quantiser)."""
+  """‖w − MXFP4(w)‖_F / ‖w‖_F over all routed expert matrices (the exporter's codes)."""
   import jax
   import jax.numpy as jnp
   from k3jax.quant import qat
