@@ -1,7 +1,9 @@
 r"""Train–serve gap with and without quantisation-aware training of the routed experts.
 
   python -m experiments.qat_gap --config=configs/small.py --workdir=runs/qat_gap \
-      --config.train.steps=40 --out=docs/qat_gap_small.json [--data=stdlib] [--eval_batches=4]
+      --config.train.steps=20 --config.train.batch_size=4 --config.train.grad_accum=1 \
+      --config.train.seq_len=128 --config.optim.muon=False --config.train.peak_flops=1e12 \
+      --eval_batches=4 --out=docs/qat_gap_small.json [--data=stdlib]
 
 Two fine-tuning runs of the same model from the same initialisation on the same batches
 (k3jax.train.trainer), one with `model.expert_qat=None`, one with "mxfp4_mxfp8" (spec §13,
@@ -66,7 +68,7 @@ def _expert_matrices(params):
 
 
 def mxfp4_relative_error(params) -> float:
-  """‖w − MXFP4(w)‖_F / ‖w‖_F over all routed expert matrices (the exporter's quantiser)."""
+  """‖w − MXFP4(w)‖_F / ‖w‖_F over all routed expert matrices (the exporter's codes)."""
   import jax
   import jax.numpy as jnp
   from k3jax.quant import qat
@@ -158,6 +160,7 @@ def write_json(obj, path: str) -> None:
   fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
   with os.fdopen(fd, "w") as f:
     json.dump(obj, f, indent=2)
+  os.chmod(tmp, 0o644)   # mkstemp's 0600 is for the temporary name only
   os.replace(tmp, path)
 
 
