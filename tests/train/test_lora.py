@@ -197,6 +197,9 @@ def test_trainer_lora_run_and_resume(tmp_path):
   bad.train.lora.rank = -2
   with pytest.raises(ValueError, match="train.lora.rank"):
     trainer.validate(bad, config)
+  text = tmp_path / "corpus.txt"    # a small corpus: no stdlib scan
+  text.write_text("".join(f"line {i}: the adapters learn, the base stays.\n" for i in range(400)))
+  cfg.data.source = str(text)
   records = trainer.train(cfg, str(tmp_path / "run"), until=1)
   assert [r["step"] for r in records] == [1]
   records = trainer.train(cfg, str(tmp_path / "run"))      # resumes from step 1
