@@ -197,6 +197,9 @@ def test_trainer_lora_run_and_resume(tmp_path):
   bad.train.lora.rank = -2
   with pytest.raises(ValueError, match="train.lora.rank"):
     trainer.validate(bad, config)
+  text = tmp_path / "corpus.txt"    # a small corpus: no stdlib scan
+  text.write_text("".join(f"line {i}: the adapters learn, the base stays.\n" for i in range(400)))
+  cfg.data.source = str(text)
   records = trainer.train(cfg, str(tmp_path / "run"), until=1)
   assert [r["step"] for r in records] == [1]
   records = trainer.train(cfg, str(tmp_path / "run"))      # resumes from step 1
@@ -261,3 +264,15 @@ def test_adapters_shard_like_their_base():
   # AdamW's moments follow the adapters they mirror.
   mu = sh.opt_state[0].mu["layers_1"]["block_sparse_moe"]["experts"]["w1_lora_a"]
   assert mu == experts["w1_lora_a"]
+
+
+def test_param_count_lora_from_shapes():
+  from tools.param_count import count_lora
+  c = count_lora(preset("tiny", **SHAPE), 2, ("o",))
+  # KDA and MLA o_proj [H=2, V=16, d=64]: A [2, 16, 2] + B [2, 64] each.
+  assert c["adapter_params"] == 2 * (2 * 16 * 2 + 2 * 64) == 384
+  assert c["adapter_params_by_target"] == {"o": 384}
+  # AdamW: two fp32 moments per adapter weight + one int32 step counter.
+  assert c["optimizer_bytes"]["lora_adamw"] == 8 * 384 + 4
+  assert c["full_params"] > 100 * c["adapter_params"]
+  assert c["optimizer_bytes"]["full_adamw"] >= 8 * c["full_params"]
