@@ -14,14 +14,6 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "RL config (configs/rl_tiny.py).",
-                                          lock_config=True)
-_POLICY = flags.DEFINE_string("policy", None, "Initial policy checkpoint (load_pretrained).")
-_TEACHERS = flags.DEFINE_string("teachers", "",
-                                "domain:effort=CKPT,... (MOPD teachers; empty: none).")
-_OUT = flags.DEFINE_string("out", "runs/rl", "Output directory.")
-_SAVE = flags.DEFINE_bool("save", True, "Save the final policy under OUT/policy.")
-
 
 def parse_teachers(spec: str) -> dict[tuple[str, str], str]:
   """"d1:e1=PATH,d2:e2=PATH" → {(d1, e1): PATH, ...}; a malformed entry names itself."""
@@ -39,6 +31,19 @@ def parse_teachers(spec: str) -> dict[tuple[str, str], str]:
       raise ValueError(f"--teachers: {d}:{e} given twice")
     out[d, e] = path
   return out
+
+
+def define_flags() -> None:
+  """The command line's flags, defined only when run as a script: pytest workers import several
+  entry points into one process, whose flags would share (and collide in) absl's FLAGS."""
+  global _CONFIG, _POLICY, _TEACHERS, _OUT, _SAVE
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "RL config (configs/rl_tiny.py).",
+                                            lock_config=True)
+  _POLICY = flags.DEFINE_string("policy", None, "Initial policy checkpoint (load_pretrained).")
+  _TEACHERS = flags.DEFINE_string("teachers", "",
+                                  "domain:effort=CKPT,... (MOPD teachers; empty: none).")
+  _OUT = flags.DEFINE_string("out", "runs/rl", "Output directory.")
+  _SAVE = flags.DEFINE_bool("save", True, "Save the final policy under OUT/policy.")
 
 
 def main(argv):
@@ -67,5 +72,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   flags.mark_flags_as_required(["config", "policy"])
   app.run(main)

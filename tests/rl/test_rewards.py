@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+# experiments.train imported beside experiments.rl on purpose: pytest workers import several
+# entry points into one process, and their flags must not collide in absl's FLAGS.
+from experiments import train as _train  # noqa: F401
 from experiments.rl import parse_teachers
 from k3jax.config import preset
 from k3jax.rl import rewards, tasks
