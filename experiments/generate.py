@@ -9,7 +9,9 @@ tools/convert_from_pytorch.py (both load with `k3jax.load_pretrained`). Without 
 checkpoint directory (or --tokenizer=PATH) when present — the vocabulary that ships with Kimi
 checkpoints, read locally — else our byte tokenizer. --temperature=0 is greedy. --stop may be
 repeated (stop strings); --stop_token ids end generation too (default: the tokenizer's EOS).
---speculative uses MTP speculative decoding (needs an MTP layer; prints the acceptance rate).
+--speculative uses speculative decoding with the model's MTP layer as the draft, chaining
+--draft_len tokens per round (an EAGLE-3 draft when the checkpoint's config has eagle_blocks:
+experiments/eagle.py writes one); it prints the acceptance rate.
 Tokens are streamed to stdout as they are generated; --output_json writes
 {"prompt_tokens": [...], "tokens": [... generated only], "text": "..."}.
 
@@ -62,7 +64,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _STOP = flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
 _STOP_TOKEN = flags.DEFINE_multi_integer("stop_token", None, "Stop token id (repeatable).")
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Cache capacity (default prompt + new).")
-_SPEC = flags.DEFINE_bool("speculative", False, "MTP speculative decoding.")
+_SPEC = flags.DEFINE_bool("speculative", False, "Speculative decoding (MTP / EAGLE-3 draft).")
+_DRAFT_LEN = flags.DEFINE_integer("draft_len", 1, "With --speculative: drafted tokens per round.")
 _OUT = flags.DEFINE_string("output_json", None, "Write prompt/generated tokens and text here.")
 _IMAGE = flags.DEFINE_multi_string("image", [], "Image file to put before the prompt "
                                    "(repeatable; a multimodal checkpoint).")
@@ -214,12 +217,14 @@ def main(argv):
                      "takes no media)")
   if _SPEC.value:
     out, stats = speculative_generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,
-                                      sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value)
+                                      sampling=sampling, seed=_SEED.value, max_len=_MAX_LEN.value,
+                                      draft_len=_DRAFT_LEN.value)
     tokens = out[0]
     if not _CHAT.value:
       sys.stdout.write(tok.decode(tokens))
     print(f"\n[speculative] acceptance rate {stats['acceptance_rate']:.3f} over "
-          f"{stats['drafts']} drafts", file=sys.stderr)
+          f"{stats['drafts']} drafts, {stats['tokens_per_round']:.2f} tokens per round",
+          file=sys.stderr)
     text = tok.decode(tokens)
   else:
     checker_out = G.generate(cfg, variables, [ids], max_new_tokens=_MAX_NEW.value,

@@ -148,6 +148,13 @@ class ModelConfig:
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
 
+  # --- EAGLE-3 draft (spec §10, §13; docs/notes/eagle.md): the MTP layer's feature input is
+  # `draft_fuse`([B_j for j in eagle_blocks]) instead of the final hidden state, B_j being the
+  # AttnRes representation of layer block j (0: the embeddings, 1 … num_attn_res_blocks: the
+  # blocks' sums in order, the last one being the running sum at the end of the stack; −1
+  # names the last). K3 served with (1, 4, −1). None: the plain MTP layer.
+  eagle_blocks: tuple[int, ...] | None = None
+
   def __post_init__(self):
     self.validate()
 
@@ -293,6 +300,28 @@ class ModelConfig:
           "mla_last=False leave no MLA layer")
     self._validate_lora(bad)
     self._validate_vision(bad)
+    self._validate_eagle(bad)
+
+  def _validate_eagle(self, bad) -> None:
+    e = self.eagle_blocks
+    if e is None:
+      return
+    if not isinstance(e, tuple) or not e or not all(
+        isinstance(j, int) and not isinstance(j, bool) for j in e):
+      bad("eagle_blocks", f"expected None or a non-empty tuple of block indices, found {e!r}")
+    if not self.num_mtp_layers:
+      bad("eagle_blocks", "the EAGLE-3 draft is the MTP layer: needs num_mtp_layers=1, found 0")
+    if self.attn_res_block_size is None:
+      bad("eagle_blocks", "needs Block AttnRes (attn_res_block_size), found None")
+    n = self.num_attn_res_blocks
+    out = [j for j in e if not (-1 <= j <= n)]
+    if out:
+      bad("eagle_blocks", f"indices {out} out of range: 0 … {n} (num_attn_res_blocks) or -1")
+
+  def eagle_block_indices(self) -> tuple[int, ...]:
+    """eagle_blocks with −1 resolved to num_attn_res_blocks (the last block)."""
+    n = self.num_attn_res_blocks
+    return tuple(n if j == -1 else j for j in self.eagle_blocks or ())
 
   def _validate_lora(self, bad) -> None:
     r = self.lora_rank

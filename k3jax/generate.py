@@ -46,8 +46,8 @@ def forward(config: ModelConfig, variables, cache: Cache, tokens, num_new, *,
   """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
   (a `k3jax.vision.media.Media`) fills the placeholder tokens among them.
 
-  Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (before the final norm: the MTP
-  input), new cache, aux). path="chunked": aux is None. path="step": the KDA layers run
+  Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature
+  input: before the final norm, or the EAGLE-3 fusion), new cache, aux). path="chunked": aux is None. path="step": the KDA layers run
   token by token and aux (their "rewind" collection) lets `serving.speculative.rewind` keep
   any prefix of the tokens. The MoE runs dropless (`config.for_inference()`).
   """
@@ -62,11 +62,13 @@ def forward(config: ModelConfig, variables, cache: Cache, tokens, num_new, *,
   return logits, hidden, cache, None
 
 
-def draft(config: ModelConfig, variables, cache: Cache, hidden, next_tokens, num_new):
-  """The MTP layer over new positions (`K3Model.draft`) → (logits fp32 [B,T,vocab], cache)."""
+def draft(config: ModelConfig, variables, cache: Cache, hidden, next_tokens, num_new, *,
+          return_hidden: bool = False):
+  """The MTP layer over new positions (`K3Model.draft`) → (logits fp32 [B,T,vocab], cache),
+  with `return_hidden` (logits, the draft's pre-norm hidden [B,T,d], cache)."""
   return K3Model(config.for_inference()).apply(
       variables, hidden, next_tokens.astype(jnp.int32), cache, num_new.astype(jnp.int32),
-      method=K3Model.draft)
+      return_hidden, method=K3Model.draft)
 
 
 # One compiled function per (config, path); shapes are kept fixed by the callers below.
@@ -81,8 +83,8 @@ def _verify_jit(config: ModelConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_draft(config: ModelConfig):
-  return jax.jit(functools.partial(draft, config))
+def _jitted_draft(config: ModelConfig, return_hidden: bool = False):
+  return jax.jit(functools.partial(draft, config, return_hidden=return_hidden))
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,9 @@ partial += mlp(norm(h)). End: output mixer over blocks + partial. Without AttnRe
 pre-norm residuals.
 
 MTP (one layer, DeepSeek-V3 style): position t combines hnorm(h_t) (the main model's final
-hidden state *before* the final norm) and enorm(embed(token t+1)) through eh_proj, runs one
+hidden state *before* the final norm; with `eagle_blocks`, the EAGLE-3 feature
+draft_fuse(concat of the chosen AttnRes blocks' representations) instead) and
+enorm(embed(token t+1)) through eh_proj, runs one
 MLA+MoE decoder layer with plain residuals (`mtp_document_ids`: a position whose two tokens
 lie in different documents is a document of its own), a norm, and the shared lm_head:
 `mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding).
@@ -182,8 +184,10 @@ def _layer_cls(cfg: ModelConfig):
 
 
 class MTP(nn.Module):
-  """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → normed hidden [B,S,d];
-  with `cache` (its layer's MLACache) and `feed` → (hidden, updated cache)."""
+  """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → (normed hidden, hidden
+  before the norm) [B,S,d] each; with `cache` (its layer's MLACache) and `feed` → (normed,
+  pre-norm, updated cache). The pre-norm hidden is what a chained draft feeds back as the next
+  position's h (k3jax/serving/eagle.py)."""
   config: ModelConfig
 
   @nn.compact
@@ -194,10 +198,12 @@ class MTP(nn.Module):
                          RMSNorm(eps=eps, name="hnorm")(h)], axis=-1)
     x = linear(cfg, cfg.d_model, (None, "embed"), name="eh_proj")(x).astype(jnp.float32)
     layer = _layer_cls(cfg)(cfg, MLA, MOE, attn_res=False, name="layer")
+    norm = RMSNorm(eps=eps, name="norm")
     if cache is None:
-      return RMSNorm(eps=eps, name="norm")(layer(x, 0, segment_ids))
+      x = layer(x, 0, segment_ids)
+      return norm(x), x
     x, cache = layer(x, 0, segment_ids, cache, feed)
-    return RMSNorm(eps=eps, name="norm")(x), cache
+    return norm(x), x, cache
 
 
 def _check_tokens(tokens, vocab_size: int, segment_ids):
@@ -256,9 +262,12 @@ class K3Model(nn.Module):
 
   __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False, media=None)
     → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab]) with return_mtp.
-  extend(tokens [B,T], cache, num_new [B], media=None) → (logits, hidden [B,T,d] fp32,
-    cache): decoding.
-  draft(hidden [B,T,d], next_tokens [B,T], cache, num_new [B]) → (MTP logits, cache).
+  extend(tokens [B,T], cache, num_new [B], media=None) → (logits, hidden [B,T,d] fp32 (the
+    draft's feature input), cache): decoding.
+  draft(hidden [B,T,d], next_tokens [B,T], cache, num_new [B], return_hidden=False) → (MTP
+    logits, cache), or (MTP logits, the draft's pre-norm hidden, cache).
+  draft_inputs(tokens [B,T], segment_ids=None) → (logits, hidden [B,T,d] fp32): the target's
+    logits and the draft's feature input at every position (EAGLE-3 training).
   init_cache(batch, max_len) → a zero `Cache` (needs no variables).
   """
   config: ModelConfig
@@ -289,6 +298,8 @@ class K3Model(nn.Module):
       self.lm_head = linear(cfg, cfg.vocab_size, ("embed", "vocab"), name="lm_head")
     if cfg.num_mtp_layers:
       self.mtp = MTP(cfg)
+    if cfg.eagle_blocks is not None:
+      self.draft_fuse = linear(cfg, cfg.d_model, (None, "embed"), name="draft_fuse")
     if cfg.vision is not None:
       self.vision_tower = VisionTower(cfg.vision)
       self.mm_projector = Projector(cfg.vision)
@@ -307,7 +318,7 @@ class K3Model(nn.Module):
     if return_mtp and not cfg.num_mtp_layers:
       raise ValueError("K3Model: return_mtp=True needs config.num_mtp_layers=1, found 0")
     x = self._embed(tokens, media)
-    h, _ = self._stack(x, segment_ids)
+    h, _, feats = self._stack(x, segment_ids)
     logits = self._head(h)
     if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
       if return_mtp:
@@ -315,41 +326,57 @@ class K3Model(nn.Module):
         # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
         # T−1); the context-parallel attention and the expert dispatch pad them to a multiple
         # of their axes themselves (k3jax/parallel/): the results equal the single-device run.
-        mtp_in = sharding.constrain_activations((h[:, :-1], self.embed_tokens(tokens[:, 1:])),
-                                                context=False)
-        return logits, self._head(self.mtp(*mtp_in, seg), normed=True)
-      self.mtp(h, x, segment_ids)  # init only: create the MTP params whatever T is
+        mtp_in = sharding.constrain_activations(
+            (self._draft_input(h, feats)[:, :-1], self.embed_tokens(tokens[:, 1:])),
+            context=False)
+        return logits, self._head(self.mtp(*mtp_in, seg)[0], normed=True)
+      self.mtp(self._draft_input(h, feats), x, segment_ids)  # init: the MTP params for any T
     return logits
+
+  def draft_inputs(self, tokens, segment_ids=None, media: Media | None = None):
+    """(logits fp32 [B,T,vocab], the draft's feature input fp32 [B,T,d]) of a forward pass:
+    the targets and the step-0 inputs of EAGLE-3 training (k3jax/serving/eagle.py)."""
+    cfg = self.config
+    _check_tokens(tokens, cfg.vocab_size, segment_ids)
+    if not cfg.num_mtp_layers:
+      raise ValueError("K3Model.draft_inputs: needs config.num_mtp_layers=1, found 0")
+    if segment_ids is not None:
+      segment_ids = document_ids(segment_ids)
+    h, _, feats = self._stack(self._embed(tokens, media), segment_ids)
+    return self._head(h), self._draft_input(h, feats)
 
   def extend(self, tokens, cache: Cache, num_new, media: Media | None = None):
     """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
     fills the placeholders among them (a prompt's images, at prefill).
 
-    Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (before the final norm: the MTP
-    input), cache with every layer's cache extended and lengths + num_new). Outputs past
+    Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature
+    input: before the final norm, or the EAGLE-3 fusion), cache with every layer's cache extended and lengths + num_new). Outputs past
     num_new[b] are meaningless. With the "rewind" collection mutable, the KDA layers also sow
     what `k3jax.serving.speculative.rewind` needs to keep only a prefix of the tokens.
     """
     _check_feed("extend", tokens, cache.lengths, num_new)
     feed = Feed(cache.lengths, num_new)
-    h, stack = self._stack(self._embed(tokens, media, "K3Model.extend"), None, cache.stack,
-                           feed)
-    return self._head(h), h, cache.replace(lengths=cache.lengths + num_new, stack=stack)
+    h, stack, feats = self._stack(self._embed(tokens, media, "K3Model.extend"), None,
+                                  cache.stack, feed)
+    return self._head(h), self._draft_input(h, feats), cache.replace(lengths=cache.lengths + num_new, stack=stack)
 
-  def draft(self, hidden, next_tokens, cache: Cache, num_new):
+  def draft(self, hidden, next_tokens, cache: Cache, num_new, return_hidden: bool = False):
     """The MTP layer over new positions: hidden [B,T,d] (the main model's `extend` output at
-    positions i) and next_tokens [B,T] (token i+1), appended to `cache.mtp` at
-    cache.mtp_lengths. Returns (logits fp32 [B,T,vocab] predicting token i+2, cache)."""
+    positions i, or a chained draft's own pre-norm hidden) and next_tokens [B,T] (token i+1),
+    appended to `cache.mtp` at cache.mtp_lengths. Returns (logits fp32 [B,T,vocab] predicting
+    token i+2, cache), with `return_hidden` (logits, pre-norm hidden fp32 [B,T,d], cache)."""
     if not self.config.num_mtp_layers:
       raise ValueError("K3Model.draft: needs config.num_mtp_layers=1, found 0")
     _check_feed("draft", next_tokens, cache.mtp_lengths, num_new)
     want = tuple(next_tokens.shape) + (self.config.d_model,)
     if hidden.shape != want:
       raise ValueError(f"K3Model.draft: hidden must be [B,T,d]={want}, found {hidden.shape}")
-    y, mtp = self.mtp(hidden, self.embed_tokens(next_tokens), None, cache.mtp,
-                      Feed(cache.mtp_lengths, num_new))
-    return self._head(y, normed=True), cache.replace(mtp=mtp,
-                                                     mtp_lengths=cache.mtp_lengths + num_new)
+    y, pre, mtp = self.mtp(hidden, self.embed_tokens(next_tokens), None, cache.mtp,
+                           Feed(cache.mtp_lengths, num_new))
+    cache = cache.replace(mtp=mtp, mtp_lengths=cache.mtp_lengths + num_new)
+    if return_hidden:
+      return self._head(y, normed=True), pre.astype(jnp.float32), cache
+    return self._head(y, normed=True), cache
 
   def init_cache(self, batch: int, max_len: int) -> Cache:
     """A zero cache for `batch` sequences of up to `max_len` tokens (see k3jax/cache.py)."""
@@ -381,9 +408,17 @@ class K3Model(nn.Module):
     merged = merge(self.vision_tower(media.patches, media.meta), media.meta)
     return self.mm_projector(merged).astype(jnp.float32)
 
+  def _draft_input(self, h, feats):
+    """The MTP layer's feature input: h, or draft_fuse(feats) with `eagle_blocks`."""
+    if feats is None:
+      return h
+    return self.draft_fuse(feats).astype(jnp.float32)
+
   def _stack(self, x, segment_ids=None, cache=None, feed=None):
     """Embeddings x [B,T,d] fp32 through every layer → (h [B,T,d] fp32 before the final norm,
-    the layers' updated caches, laid out like `Cache.stack`, or None without `cache`)."""
+    the layers' updated caches, laid out like `Cache.stack`, or None without `cache`, and
+    with `eagle_blocks` the chosen AttnRes block representations concatenated
+    [B,T,len(eagle_blocks)·d] fp32, else None)."""
     cfg = self.config
     b, t, d = x.shape
     attn_res = cfg.attn_res_block_size is not None
@@ -411,9 +446,15 @@ class K3Model(nn.Module):
         new["body"] = body
     for i in self._unrolled()[prefix:]:
       state = unrolled(i, state)
-    if attn_res:
-      return self.output_attn_res(*state), new
-    return state, new
+    if not attn_res:
+      return state, new, None
+    feats = None
+    if cfg.eagle_blocks is not None:
+      blocks, partial = state   # blocks[j]: block j (0: the embeddings); block nb: partial
+      nb = blocks.shape[0]
+      feats = jnp.concatenate([(blocks[j] if j < nb else partial).astype(jnp.float32)
+                               for j in cfg.eagle_block_indices()], axis=-1)
+    return self.output_attn_res(*state), new, feats
 
   def _head(self, h, normed: bool = False):
     """fp32 logits [B,T,vocab] from hidden states (final norm unless `normed`; tied:

@@ -338,11 +338,16 @@ def reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False):
   if mtp:
     m = params["mtp"]
     mb = variables["balance"]["mtp"]["layer"]
-    # Position t: the main model's hidden state h_t (before the final norm) and the embedding
-    # of token t+1. Its document is the pair (document of t, document of t+1): a position whose
+    # Position t: the main model's hidden state h_t (before the final norm; with eagle_blocks
+    # the EAGLE-3 feature) and the embedding of token t+1. Its document is the pair (document of t, document of t+1): a position whose
     # two tokens lie in different documents is a document of its own.
+    feature = h
+    if cfg.eagle_blocks is not None:   # EAGLE-3: draft_fuse over the chosen block representations
+      reps = blocks + [partial]        # reps[j]: block j (0: the embeddings; the last: partial)
+      feature = np.concatenate([reps[j] for j in cfg.eagle_block_indices()], axis=-1)
+      feature = feature @ _kernel(params, "draft_fuse")
     x = np.concatenate([_rms(emb[:, 1:], _f64(m["enorm"]["weight"]), eps),
-                        _rms(h[:, :-1], _f64(m["hnorm"]["weight"]), eps)], axis=-1)
+                        _rms(feature[:, :-1], _f64(m["hnorm"]["weight"]), eps)], axis=-1)
     x = x @ _kernel(m, "eh_proj")
     mtp_docs = np.stack([_documents(row) for row in docs[:, :-1] * (t_len + 1) + docs[:, 1:]])
     attn, ffn = _decoder_layer_fns(cfg, m["layer"], mb, MLA, MOE, mtp_docs, margins)

@@ -8,9 +8,10 @@ target distribution p: P(x) = q(x)·min(1, p(x)/q(x)) + (1 − Σ_y min(p(y), q(
 With greedy sampling p and q are one-hots, so a draft is kept iff it equals the target argmax and
 the sequence is exactly plain greedy decoding.
 
-`speculative_generate` runs the MTP draft / verify loop through the model's own decode path
-(`K3Model.draft` drafts, `K3Model.extend` verifies with the KDA layers sowing their per-token
-states) and `rewind` undoes the rejected tokens exactly.
+`speculative_generate` runs the draft / verify loop through the model's own decode path
+(`K3Model.draft` drafts one or a chain of tokens — the MTP layer, or the EAGLE-3 draft of
+k3jax/serving/eagle.py —, `K3Model.extend` verifies with the KDA layers sowing their
+per-token states) and `rewind` undoes the rejected tokens exactly.
 """
 
 from __future__ import annotations
@@ -106,39 +107,50 @@ def rewind(cache_after: Cache, cache_before: Cache, aux, keep) -> Cache:
 
 def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                         seed: int = 0, max_len: int | None = None) -> tuple[list[list[int]], dict]:
-  """MTP speculative decoding: the MTP layer drafts token t+2, the model verifies.
+                         seed: int = 0, max_len: int | None = None,
+                         draft_len: int = 1) -> tuple[list[list[int]], dict]:
+  """MTP / EAGLE-3 speculative decoding: the draft proposes `draft_len` tokens, the model
+  verifies them in one forward.
 
-  Each round per sequence: the MTP layer (fed h_{n−1} and the pending token x_n) drafts d ~ q;
-  the model is fed [x_n, d] with the step path (keeping the KDA state after each token);
-  `verify_drafts` accepts d with probability min(1, p(d)/q(d)) and draws the next token (exact
-  rejection sampling: same output distribution as `generate`). A rejected d is undone with
-  `rewind`. Returns (generated tokens per prompt, {"acceptance_rate", "rounds", "drafts"}).
-  Stop tokens/strings are not applied here (fixed-length output).
+  Each round per sequence: the draft layer first sees the pairs (feature of position i,
+  token i+1) verified since the last round, the last of which drafts d_1 ~ q_1; for
+  draft_len > 1 it chains on its own pre-norm hidden state: (a_{j−1}, d_{j−1}) drafts d_j
+  (the EAGLE-3 inference rule; its chain entries leave its cache after the round). The
+  model is fed [x_n, d_1 … d_n] with the step path (the KDA state kept after each token);
+  `verify_drafts` accepts a prefix with probability min(1, p/q) per draft and draws the next
+  token (exact rejection sampling: the output distribution of `generate`; under greedy
+  sampling exactly `generate`'s tokens). The rejected tokens are undone with `rewind`.
+  Returns (generated tokens per prompt, {"acceptance_rate" (accepted / drafted tokens),
+  "tokens_per_round", "rounds", "drafts"}). Stop tokens/strings are not applied here
+  (fixed-length output).
   """
   if not config.num_mtp_layers:
     raise ValueError("config.num_mtp_layers: speculative decoding needs the MTP layer, found 0")
+  if not isinstance(draft_len, int) or draft_len < 1:
+    raise ValueError(f"draft_len: expected an int >= 1, found {draft_len!r}")
+  n = draft_len
   toks, lengths = G.padded_prompts(prompts)
   variables = G.unbox(variables)
   bsz = len(prompts)
-  max_len = max_len or int(lengths.max()) + max_new_tokens + 2
-  if int(lengths.max()) + max_new_tokens + 1 > max_len:
-    raise ValueError(f"prompts: longest prompt + max_new_tokens + 1 exceeds max_len={max_len}")
+  max_len = max_len or int(lengths.max()) + max_new_tokens + n + 1
+  if int(lengths.max()) + max_new_tokens + n > max_len:
+    raise ValueError(f"prompts: longest prompt + max_new_tokens + draft_len exceeds "
+                     f"max_len={max_len}")
   logits, hidden, cache = G.prefill(config, variables, toks, lengths, max_len=max_len,
                                     return_all=True)
-  mtp = G._jitted_draft(config)
-  # MTP entries for prompt positions 0..len−2 (pairs (h_i, token i+1)).
+  mtp = G._jitted_draft(config, True)
+  # Draft entries for prompt positions 0..len−2 (pairs (feature i, token i+1)).
   nxt = np.zeros_like(toks)
   nxt[:, :-1] = toks[:, 1:]
-  _, cache = mtp(variables, cache, hidden, jnp.asarray(nxt), jnp.asarray(lengths - 1))
+  _, _, cache = mtp(variables, cache, hidden, jnp.asarray(nxt), jnp.asarray(lengths - 1))
   idx = jnp.asarray(lengths - 1)[:, None, None]
   last_logits = jnp.take_along_axis(logits, idx, 1)[:, 0]
   last_h = jnp.take_along_axis(hidden, idx, 1)[:, 0]
   key, sub = jax.random.split(jax.random.PRNGKey(seed))
   x_n = sample(sub, last_logits, sampling)
-  # Pairs the MTP layer still has to see: (h, next token); the last one drafts.
-  pend_h = jnp.stack([last_h, last_h], 1)
-  pend_t = jnp.stack([x_n, x_n], 1)
+  # Pairs the draft still has to see, [B, n+1] (the first pend_n valid); the last one drafts.
+  pend_h = jnp.zeros((bsz, n + 1, config.d_model), jnp.float32).at[:, 0].set(last_h)
+  pend_t = jnp.zeros((bsz, n + 1), jnp.int32).at[:, 0].set(x_n)
   pend_n = jnp.ones((bsz,), jnp.int32)
   out = [[int(t)] for t in np.asarray(x_n)]
   verify = G._verify_jit(config)
@@ -146,33 +158,41 @@ def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Seque
   while min(len(o) for o in out) < max_new_tokens:
     rounds += 1
     key, k_draft, k_ver = jax.random.split(key, 3)
-    q_logits, cache = mtp(variables, cache, pend_h, pend_t, pend_n)
-    q_last = jnp.take_along_axis(q_logits, (pend_n - 1)[:, None, None], 1)[:, 0]
-    d = sample(k_draft, q_last, sampling)
-    x_n = jnp.take_along_axis(pend_t, (pend_n - 1)[:, None], 1)[:, 0]
+    q_logits, a, cache = mtp(variables, cache, pend_h, pend_t, pend_n)
+    committed = cache.mtp_lengths
+    last = (pend_n - 1)[:, None]
+    q_j = jnp.take_along_axis(q_logits, last[..., None], 1)[:, 0]
+    a_j = jnp.take_along_axis(a, last[..., None], 1)[:, 0]
+    ds, qs = [], []
+    for j, k in enumerate(jax.random.split(k_draft, n)):
+      if j:   # chain on the draft's own hidden state and token
+        q_j, a_j, cache = mtp(variables, cache, a_j[:, None], ds[-1][:, None],
+                              jnp.ones((bsz,), jnp.int32))
+        q_j, a_j = q_j[:, 0], a_j[:, 0]
+      ds.append(sample(k, q_j, sampling))
+      qs.append(sampling_probs(q_j, sampling))
+    d = jnp.stack(ds, 1)
+    cache = cache.replace(mtp=cache.mtp.truncated(committed), mtp_lengths=committed)
+    x_n = jnp.take_along_axis(pend_t, last, 1)[:, 0]
     before = cache
-    logits, hidden, after, aux = verify(variables, cache, jnp.stack([x_n, d], 1),
-                                        jnp.full((bsz,), 2, jnp.int32))
-    p = sampling_probs(logits, sampling)
-    q = sampling_probs(q_last, sampling)[:, None]
-    num, y = verify_drafts(k_ver, p, q, d[:, None])
+    logits, hidden, after, aux = verify(variables, cache, jnp.concatenate([x_n[:, None], d], 1),
+                                        jnp.full((bsz,), n + 1, jnp.int32))
+    num, y = verify_drafts(k_ver, sampling_probs(logits, sampling), jnp.stack(qs, 1), d)
     cache = rewind(after, before, aux, num + 1)
-    acc = np.asarray(num)
+    # Next round's pairs: (feature of x_n, d_1), …, (feature of d_num, y).
+    pend_h = hidden
+    pend_t = jnp.where(jnp.arange(n + 1)[None] < num[:, None],
+                       jnp.pad(d, ((0, 0), (0, 1))), y[:, None])
+    pend_n = num + 1
+    acc, d_np, y_np = np.asarray(num), np.asarray(d), np.asarray(y)
     accepted += int(acc.sum())
-    drafts += bsz
-    # Next round's MTP pairs: accepted → (h_n, d) then (h_{n+1}, y); rejected → (h_n, y).
-    h_n, h_n1 = hidden[:, 0], hidden[:, 1]
-    a = jnp.asarray(acc == 1)
-    pend_h = jnp.stack([h_n, jnp.where(a[:, None], h_n1, h_n)], 1)
-    pend_t = jnp.stack([jnp.where(a, d, y), y], 1)
-    pend_n = jnp.where(a, 2, 1).astype(jnp.int32)
-    d_np, y_np = np.asarray(d), np.asarray(y)
+    drafts += bsz * n
     for i in range(bsz):
-      if acc[i]:
-        out[i].append(int(d_np[i]))
+      out[i].extend(int(t) for t in d_np[i, :acc[i]])
       out[i].append(int(y_np[i]))
   return [o[:max_new_tokens] for o in out], dict(
-      acceptance_rate=accepted / max(drafts, 1), rounds=rounds, drafts=drafts)
+      acceptance_rate=accepted / max(drafts, 1), rounds=rounds, drafts=drafts,
+      tokens_per_round=(accepted + bsz * rounds) / max(bsz * rounds, 1))
 
 
 __all__ = ["lk_loss", "residual_distribution", "rewind", "speculative_generate",

@@ -50,6 +50,8 @@ def config_to_dict(config: ModelConfig) -> dict:
   d = dataclasses.asdict(config)
   d["qb_range"] = list(d["qb_range"])
   d["lora_targets"] = list(d["lora_targets"])
+  if d["eagle_blocks"] is not None:
+    d["eagle_blocks"] = list(d["eagle_blocks"])
   return d
 
 
@@ -63,6 +65,8 @@ def config_from_dict(d: dict) -> ModelConfig:
     d["qb_range"] = tuple(d["qb_range"])
   if "lora_targets" in d:
     d["lora_targets"] = tuple(d["lora_targets"])
+  if d.get("eagle_blocks") is not None:
+    d["eagle_blocks"] = tuple(d["eagle_blocks"])
   if "vision" in d:
     from k3jax.vision.config import as_vision_config
     d["vision"] = as_vision_config(d["vision"])
