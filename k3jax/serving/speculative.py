@@ -16,6 +16,7 @@ per-token states) and `rewind` undoes the rejected tokens exactly.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -105,6 +106,52 @@ def rewind(cache_after: Cache, cache_before: Cache, aux, keep) -> Cache:
   return cache_after.replace(lengths=lengths, stack=stack)
 
 
+def speculative_round(config: ModelConfig, draft_len: int, sampling: SamplingParams,
+                      variables, cache: Cache, pend, key):
+  """One draft / verify round of `speculative_generate` (one compiled program).
+
+  pend = (features [B,n+1,d], tokens [B,n+1], count [B]): the pairs the draft has not seen,
+  the last valid one drafting. Returns (cache, next pend, drafts [B,n], num_accepted [B],
+  next token [B]): the round emits drafts[:num_accepted] then the next token.
+  """
+  n = draft_len
+  pend_h, pend_t, pend_n = pend
+  bsz = pend_t.shape[0]
+  k_draft, k_ver = jax.random.split(key)
+  q_logits, a, cache = G.draft(config, variables, cache, pend_h, pend_t, pend_n,
+                               return_hidden=True)
+  committed = cache.mtp_lengths
+  last = (pend_n - 1)[:, None]
+  q_j = jnp.take_along_axis(q_logits, last[..., None], 1)[:, 0]
+  a_j = jnp.take_along_axis(a, last[..., None], 1)[:, 0]
+  ds, qs = [], []
+  for j, k in enumerate(jax.random.split(k_draft, n)):
+    if j:   # chain on the draft's own hidden state and token
+      q_j, a_j, cache = G.draft(config, variables, cache, a_j[:, None], ds[-1][:, None],
+                                jnp.ones((bsz,), jnp.int32), return_hidden=True)
+      q_j, a_j = q_j[:, 0], a_j[:, 0]
+    ds.append(sample(k, q_j, sampling))
+    qs.append(sampling_probs(q_j, sampling))
+  d = jnp.stack(ds, 1)
+  # The chain's entries leave the draft's cache: next round it sees the target's features.
+  cache = cache.replace(mtp=cache.mtp.truncated(committed), mtp_lengths=committed)
+  x_n = jnp.take_along_axis(pend_t, last, 1)[:, 0]
+  logits, hidden, after, aux = G.forward(config, variables, cache,
+                                         jnp.concatenate([x_n[:, None], d], 1),
+                                         jnp.full((bsz,), n + 1, jnp.int32), path="step")
+  num, y = verify_drafts(k_ver, sampling_probs(logits, sampling), jnp.stack(qs, 1), d)
+  cache = rewind(after, cache, aux, num + 1)
+  # Next round's pairs: (feature of x_n, d_1), …, (feature of d_num, y).
+  pend_t = jnp.where(jnp.arange(n + 1)[None] < num[:, None], jnp.pad(d, ((0, 0), (0, 1))),
+                     y[:, None])
+  return cache, (hidden, pend_t, num + 1), d, num, y
+
+
+@functools.lru_cache(maxsize=None)
+def _round_jit(config: ModelConfig, draft_len: int, sampling: SamplingParams):
+  return jax.jit(functools.partial(speculative_round, config, draft_len, sampling))
+
+
 def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Sequence[int]], *,
                          max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                          seed: int = 0, max_len: int | None = None,
@@ -149,41 +196,15 @@ def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Seque
   key, sub = jax.random.split(jax.random.PRNGKey(seed))
   x_n = sample(sub, last_logits, sampling)
   # Pairs the draft still has to see, [B, n+1] (the first pend_n valid); the last one drafts.
-  pend_h = jnp.zeros((bsz, n + 1, config.d_model), jnp.float32).at[:, 0].set(last_h)
-  pend_t = jnp.zeros((bsz, n + 1), jnp.int32).at[:, 0].set(x_n)
-  pend_n = jnp.ones((bsz,), jnp.int32)
+  pend = (jnp.zeros((bsz, n + 1, config.d_model), jnp.float32).at[:, 0].set(last_h),
+          jnp.zeros((bsz, n + 1), jnp.int32).at[:, 0].set(x_n), jnp.ones((bsz,), jnp.int32))
   out = [[int(t)] for t in np.asarray(x_n)]
-  verify = G._verify_jit(config)
+  one_round = _round_jit(config, n, sampling)
   accepted = drafts = rounds = 0
   while min(len(o) for o in out) < max_new_tokens:
     rounds += 1
-    key, k_draft, k_ver = jax.random.split(key, 3)
-    q_logits, a, cache = mtp(variables, cache, pend_h, pend_t, pend_n)
-    committed = cache.mtp_lengths
-    last = (pend_n - 1)[:, None]
-    q_j = jnp.take_along_axis(q_logits, last[..., None], 1)[:, 0]
-    a_j = jnp.take_along_axis(a, last[..., None], 1)[:, 0]
-    ds, qs = [], []
-    for j, k in enumerate(jax.random.split(k_draft, n)):
-      if j:   # chain on the draft's own hidden state and token
-        q_j, a_j, cache = mtp(variables, cache, a_j[:, None], ds[-1][:, None],
-                              jnp.ones((bsz,), jnp.int32))
-        q_j, a_j = q_j[:, 0], a_j[:, 0]
-      ds.append(sample(k, q_j, sampling))
-      qs.append(sampling_probs(q_j, sampling))
-    d = jnp.stack(ds, 1)
-    cache = cache.replace(mtp=cache.mtp.truncated(committed), mtp_lengths=committed)
-    x_n = jnp.take_along_axis(pend_t, last, 1)[:, 0]
-    before = cache
-    logits, hidden, after, aux = verify(variables, cache, jnp.concatenate([x_n[:, None], d], 1),
-                                        jnp.full((bsz,), n + 1, jnp.int32))
-    num, y = verify_drafts(k_ver, sampling_probs(logits, sampling), jnp.stack(qs, 1), d)
-    cache = rewind(after, before, aux, num + 1)
-    # Next round's pairs: (feature of x_n, d_1), …, (feature of d_num, y).
-    pend_h = hidden
-    pend_t = jnp.where(jnp.arange(n + 1)[None] < num[:, None],
-                       jnp.pad(d, ((0, 0), (0, 1))), y[:, None])
-    pend_n = num + 1
+    key, sub = jax.random.split(key)
+    cache, pend, d, num, y = one_round(variables, cache, pend, sub)
     acc, d_np, y_np = np.asarray(num), np.asarray(d), np.asarray(y)
     accepted += int(acc.sum())
     drafts += bsz * n
@@ -196,4 +217,4 @@ def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Seque
 
 
 __all__ = ["lk_loss", "residual_distribution", "rewind", "speculative_generate",
-           "verify_drafts"]
+           "speculative_round", "verify_drafts"]

@@ -182,7 +182,7 @@ def build_lora_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
   """`k3jax.train.sharded.build_step` for a LoRA run: a `Step` (tx, schedule, train, eval)
   whose train step is `make_train_step`'s, jitted on one device or for `mesh` (a
   `ShardedStep` with `state_shardings`)."""
-  from k3jax.train.sharded import ShardedStep, Step, run_rules
+  from k3jax.train.sharded import ShardedStep, Step, mesh_rules
   check_config(config)
   accum = cfg.train.get("grad_accum", 1)
   tx, schedule = optimizer(cfg)
@@ -191,10 +191,7 @@ def build_lora_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
     fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight, schedule=schedule,
                          grad_accum=accum)
     return Step(tx, schedule, jax.jit(fn, donate_argnums=0 if donate else ()), eval_fn)
-  micro = cfg.train.batch_size // accum if cfg.train.batch_size % accum == 0 else None
-  sharding.check_shapes(config, mesh, batch_size=micro or cfg.train.batch_size,
-                        seq_len=cfg.train.seq_len)
-  rules = run_rules(cfg) if rules is None else tuple(rules)
+  rules = mesh_rules(cfg, config, mesh, rules)
   boxed = logical_variables(config) if boxed is None else boxed
   state = abstract_state(config, tx, boxed)
   sh = state_shardings(mesh, state, boxed, rules)

@@ -184,6 +184,19 @@ def run_rules(cfg) -> tuple[tuple[str, Any], ...]:
       else False)
 
 
+def mesh_rules(cfg, config: ModelConfig, mesh: Mesh, rules=None) -> tuple:
+  """Check the run's micro-batch and sequence length against `mesh`; the sharding rules
+  (`rules`, default `run_rules(cfg)`). Shared by `build_step` and the LoRA step
+  (k3jax/train/lora.py)."""
+  # Each micro-batch is split over the batch axes (the trainer's validate() names a
+  # grad_accum that does not divide the batch).
+  accum = cfg.train.get("grad_accum", 1)
+  micro = cfg.train.batch_size // accum if cfg.train.batch_size % accum == 0 else None
+  sharding.check_shapes(config, mesh, batch_size=micro or cfg.train.batch_size,
+                        seq_len=cfg.train.seq_len)
+  return run_rules(cfg) if rules is None else tuple(rules)
+
+
 def build_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
                rules: Sequence[tuple[str, Any]] | None = None, boxed: Any = None,
                donate: bool = True) -> Step:
@@ -210,12 +223,7 @@ def build_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
                               qk_clip_tau=o.qk_clip_tau, schedule=schedule, grad_accum=accum)
     return Step(tx, schedule, jax.jit(step_fn, donate_argnums=0 if donate else ()), eval_fn)
 
-  # Each micro-batch is split over the batch axes (the trainer's validate() names a
-  # grad_accum that does not divide the batch).
-  micro = cfg.train.batch_size // accum if cfg.train.batch_size % accum == 0 else None
-  sharding.check_shapes(config, mesh, batch_size=micro or cfg.train.batch_size,
-                        seq_len=cfg.train.seq_len)
-  rules = run_rules(cfg) if rules is None else tuple(rules)
+  rules = mesh_rules(cfg, config, mesh, rules)
   boxed = logical_variables(config) if boxed is None else boxed
   state = abstract_state(config, tx, boxed)
   state_sh = train_state_shardings(mesh, state, boxed, rules, offload)
@@ -226,4 +234,4 @@ def build_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
 
 
 __all__ = ["opt_state_shardings", "train_state_shardings", "logical_variables",
-           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "build_step"]
+           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "build_step", "mesh_rules"]
