@@ -27,7 +27,8 @@ import time
 from absl import app, flags
 
 _FIGURE = flags.DEFINE_enum("figure", "all",
-                            ["all", "cold_start", "mismatch", "partial", "reward", "budget", "mopd"],
+                            ["all", "cold_start", "mismatch", "partial", "reward", "budget", "mopd",
+                             "plot"],
                             "Which measurement.")
 _OUT = flags.DEFINE_string("out", "runs/rl_figures", "Output directory.")
 _ROUNDS = flags.DEFINE_integer("rounds", 30, "RL rounds of the reward/budget figures.")
@@ -35,6 +36,9 @@ _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "Cold-start supervised steps
 _LAYERS = flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA).")
 _DOMAINS = flags.DEFINE_string("domains", "arith", "Comma-separated task domains.")
 _LR = flags.DEFINE_float("lr", 2e-3, "RL learning rate (reward/budget figures).")
+_MUON = flags.DEFINE_bool("muon", True, "RL updates with Per-Head Muon (else AdamW alone).")
+_K = flags.DEFINE_integer("k", 4, "Completions per prompt (the GRPO group).")
+_ADV_STD = flags.DEFINE_bool("adv_std_norm", False, "Divide advantages by the group's std.")
 
 
 def _write(out: pathlib.Path, name: str, obj: dict) -> None:
@@ -50,7 +54,8 @@ def _write(out: pathlib.Path, name: str, obj: dict) -> None:
 def _flags() -> dict:
   return {"figure": _FIGURE.value, "out": _OUT.value, "rounds": _ROUNDS.value,
           "sft_steps": _SFT_STEPS.value, "layers": _LAYERS.value, "domains": _DOMAINS.value,
-          "lr": _LR.value}
+          "lr": _LR.value, "muon": _MUON.value, "k": _K.value,
+          "adv_std_norm": _ADV_STD.value}
 
 
 def _cfg():
@@ -59,9 +64,11 @@ def _cfg():
   c.model.update(dict(num_layers=_LAYERS.value, mla_every=max(2, min(4, _LAYERS.value)),
                       attn_res_block_size=None if _LAYERS.value < 4 else 2))
   c.rl.domains = tuple(_DOMAINS.value.split(","))
-  c.rl.update(dict(rounds=_ROUNDS.value, n_prompts=8, k=4, max_new_tokens=16))
+  c.rl.update(dict(rounds=_ROUNDS.value, n_prompts=8, k=_K.value, max_new_tokens=16))
+  c.loss.adv_std_norm = _ADV_STD.value
   c.train.steps = _ROUNDS.value
   c.optim.lr = _LR.value
+  c.optim.muon = _MUON.value
   return c
 
 
@@ -83,7 +90,7 @@ def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_st
   c = _cfg()
   config = model_config(c)
   c.train.steps = steps
-  c.optim.update(dict(lr=3e-3, warmup_frac=0.05, final_lr_frac=0.1))
+  c.optim.update(dict(lr=3e-3, warmup_frac=0.05, final_lr_frac=0.1, muon=True))
   step = build_step(c, config)
   state = create_state(config, jax.random.PRNGKey(c.seed), step.tx)
   sampler = tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=1234)
@@ -170,7 +177,7 @@ def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
   t0 = time.perf_counter()
   hist, _ = loop.run(c, config, variables, out_dir=out / name)
   _write(out, name, {"budget": dict(c.budget), "rl": dict(c.rl), "loss": dict(c.loss),
-                     "lr": c.optim.lr, "seconds": time.perf_counter() - t0, "rounds": hist})
+                     "lr": c.optim.lr, "muon": c.optim.muon, "seconds": time.perf_counter() - t0, "rounds": hist})
 
 
 def accuracy(config, variables, n: int = 64, seed: int = 99) -> float:
@@ -212,11 +219,50 @@ def mopd(out: pathlib.Path, config, variables):
   _write(out, "mopd", {"rl": dict(c.rl), "loss": dict(c.loss), "lr": c.optim.lr, **res})
 
 
+def plot(out: pathlib.Path, block: int = 60) -> None:
+  """OUT/reward.png: the in-round task accuracy of every OUT/reward*.json, as means over
+  blocks of `block` rounds with ± one standard error (binomial, over the block's trajectories)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+  runs = sorted(out.glob("reward*.json"))
+  if not runs:
+    raise ValueError(f"--figure=plot: no reward*.json in {out}")
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for path in runs:
+    r = json.loads(path.read_text())
+    acc = np.array([h["accuracy"] for h in r["rounds"]])
+    n = np.array([h["trained"] for h in r["rounds"]])
+    x, mean, err = [], [], []
+    for i in range(0, len(acc) - block + 1, block):
+      hits, total = float((acc[i:i + block] * n[i:i + block]).sum()), float(n[i:i + block].sum())
+      p = hits / max(total, 1.0)
+      x.append(i + block / 2)
+      mean.append(p)
+      err.append(np.sqrt(p * (1 - p) / max(total, 1.0)))
+    opt = "Per-Head Muon" if r.get("muon", True) else "AdamW"
+    label = f"{opt} lr {r['lr']:g}, K {r['rl']['k']}" + (
+        ", adv/std" if r["loss"].get("adv_std_norm") else "")
+    ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, label=label)
+  ax.set_xlabel("RL round")
+  ax.set_ylabel(f"task accuracy (mean over {block} rounds)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  tmp = out / "reward.png.tmp"
+  fig.savefig(tmp, format="png", dpi=120)
+  os.replace(tmp, out / "reward.png")
+  print(f"wrote {out / 'reward.png'}")
+
+
 def main(argv):
   del argv
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   fig = _FIGURE.value
+  if fig == "plot":
+    plot(out)
+    return
   config, variables = cold_start(out)
   if fig in ("all", "mismatch"):
     mismatch(out, config, variables)

@@ -19,9 +19,9 @@ pre-norm residuals.
 MTP (one layer, DeepSeek-V3 style): position t combines hnorm(h_t) (the main model's final
 hidden state *before* the final norm; with `eagle_blocks`, the EAGLE-3 feature
 draft_fuse(concat of the chosen AttnRes blocks' representations) instead) and
-enorm(embed(token t+1)) through eh_proj, runs one
-MLA+MoE decoder layer with plain residuals (`mtp_document_ids`: a position whose two tokens
-lie in different documents is a document of its own), a norm, and the shared lm_head:
+enorm(embed(token t+1)) through eh_proj, runs one MLA+MoE decoder layer with plain residuals
+(`mtp_document_ids`: a position whose two tokens lie in different documents is a document of
+its own), a norm, and the shared lm_head:
 `mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding).
 
 Packing: `segment_ids` become document indices (`document_ids`: a new document wherever the id
@@ -349,16 +349,18 @@ class K3Model(nn.Module):
     """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
     fills the placeholders among them (a prompt's images, at prefill).
 
-    Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature
-    input: before the final norm, or the EAGLE-3 fusion), cache with every layer's cache extended and lengths + num_new). Outputs past
-    num_new[b] are meaningless. With the "rewind" collection mutable, the KDA layers also sow
-    what `k3jax.serving.speculative.rewind` needs to keep only a prefix of the tokens.
+    Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature input:
+    before the final norm, or the EAGLE-3 fusion), cache with every layer's cache extended
+    and lengths + num_new). Outputs past num_new[b] are meaningless. With the "rewind"
+    collection mutable, the KDA layers also sow what `k3jax.serving.speculative.rewind` needs
+    to keep only a prefix of the tokens.
     """
     _check_feed("extend", tokens, cache.lengths, num_new)
     feed = Feed(cache.lengths, num_new)
     h, stack, feats = self._stack(self._embed(tokens, media, "K3Model.extend"), None,
                                   cache.stack, feed)
-    return self._head(h), self._draft_input(h, feats), cache.replace(lengths=cache.lengths + num_new, stack=stack)
+    cache = cache.replace(lengths=cache.lengths + num_new, stack=stack)
+    return self._head(h), self._draft_input(h, feats), cache
 
   def draft(self, hidden, next_tokens, cache: Cache, num_new, return_hidden: bool = False):
     """The MTP layer over new positions: hidden [B,T,d] (the main model's `extend` output at
