@@ -124,6 +124,33 @@ def test_merged_model_is_base_plus_adapters():
                                         ["kernel"]), want, rtol=1e-5, atol=1e-6)
 
 
+def test_adapters_in_a_scanned_group():
+  """5 layers = 2 unrolled + one scanned group of 2 (+ the suffix): the body's adapters carry
+  the group axis, zero B is the base model, and with non-zero B the adapted model equals its
+  merge (the scanned kernels folded per group)."""
+  config = preset("tiny", num_layers=5, mla_every=2, num_mtp_layers=0, lora_rank=2,
+                  lora_targets=ALL)
+  assert config.stack_layout()[1] == 1
+  tok = _tokens()
+  v = jax.tree.map(np.asarray, jax.jit(K3Model(config).init)(jax.random.PRNGKey(0), tok))
+  v = jax.tree.map(lambda x: getattr(x, "value", x), v,
+                   is_leaf=lambda x: hasattr(x, "value"))
+  body_a = v["lora"]["body"]["layers_1"]["self_attn"]["q_b_proj"]["lora_a"]
+  assert body_a.shape[0] == 1 and body_a.ndim == 3, body_a.shape
+  base_config = config.replace(lora_rank=0)
+  base = np.asarray(_apply(base_config)(_base(v), tok))
+  np.testing.assert_array_equal(np.asarray(_apply(config)(v, tok)), base)
+  rng = np.random.default_rng(1)
+  v["lora"] = jax.tree_util.tree_map_with_path(
+      lambda p, x: (0.3 * rng.standard_normal(x.shape)).astype(x.dtype)
+      if jax.tree_util.keystr(p).endswith("['lora_b']") else x, v["lora"])
+  y = np.asarray(_apply(config)(v, tok))
+  assert np.abs(y - base).max() > 1e-2
+  merged_config, merged = L.merge_adapters(config, v)
+  np.testing.assert_allclose(np.asarray(_apply(merged_config)(merged, tok)), y, rtol=1e-4,
+                             atol=1e-4)
+
+
 def test_merge_requantises_packed_experts():
   config, _, s = _trained()
   config = config.replace(expert_format="mxfp4")
