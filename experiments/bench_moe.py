@@ -11,7 +11,9 @@ ragged (`jax.lax.ragged_dot`), reference (all experts on all tokens: E/k times t
 gmm (Pallas; skipped in interpret mode on CPU); and "gather" (here only: each token's k expert
 matrices gathered, w[indices] [N, k, D, F], and contracted per token — the naive gather-based
 layout, checked against the reference before timing).
-Also: `jax.lax.ragged_dot` vs a dense matmul of the same FLOPs, and the whole StableLatentMoE
+Also: `jax.lax.ragged_dot` vs a dense matmul of the same FLOPs; QAT's cost (`bench_qat`: the
+sorted path with MXFP4 weights and MXFP8 inputs fake-quantised, and the quantisers alone,
+direct `mx.fake_round` vs the codec round trip it equals); and the whole StableLatentMoE
 layer (`small` config, router + shared experts + latent projections) when it exists.
 All in fp32, in one process; time = min over repeats (the machine may be shared: the load
 average is printed and stored, and ratios are the figures to compare).
@@ -195,6 +197,51 @@ def bench_experts(n, d, f, e, k, methods, repeats):
   return {name: res[name] if name in res else timed[name] for name in [*methods, "dense"]}
 
 
+def bench_qat(n, d, f, e, k, repeats):
+  """QAT's cost (ModelConfig.expert_qat="mxfp4_mxfp8"): the sorted expert MLP fwd+bwd with
+  fake-quantised weights and inputs vs without, and the quantisers alone — `mx.fake_round`
+  (what QAT runs) vs the codec round trip it equals (unpack(pack(·))), on the three expert
+  kernels and on the k·N rows of both expert inputs. {name: (min_ms, median_ms)}."""
+  from k3jax.quant import mx, qat
+  x, weights, indices, w1, w3, w2 = _problem(n, d, f, e, k)
+  probe = jnp.ones((n, d), jnp.float32) / n
+
+  def step(quant):
+    def loss(x, w, w1, w3, w2, indices):
+      if quant:
+        w1, w3, w2 = (qat.fake_mxfp4_expert(a) for a in (w1, w3, w2))
+      y, _ = moe.expert_mlp(x, w, indices, w1, w3, w2, input_quant="mxfp8" if quant else None)
+      return jnp.sum(y * probe)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+  rows = jnp.asarray(np.random.default_rng(2).normal(size=(n * k, d)), jnp.float32)
+  hidden = jnp.asarray(np.random.default_rng(3).normal(size=(n * k, f)), jnp.float32)
+
+  def codec_weights(w1, w3, w2):
+    return [mx.unpack_expert(*mx.pack_expert(a)) for a in (w1, w3, w2)]
+
+  def direct_weights(w1, w3, w2):
+    return [mx.fake_round(a, "mxfp4", axis=-2) for a in (w1, w3, w2)]
+
+  def codec_inputs(a, b):
+    return mx.mx_round(a, "mxfp8"), mx.mx_round(b, "mxfp8")
+
+  def direct_inputs(a, b):
+    return mx.fake_round(a, "mxfp8"), mx.fake_round(b, "mxfp8")
+
+  for ref, fast, args in ((codec_weights, direct_weights, (w1, w3, w2)),
+                          (codec_inputs, direct_inputs, (rows, hidden))):
+    for r, q in zip(jax.jit(ref)(*args), jax.jit(fast)(*args)):   # the same values
+      np.testing.assert_array_equal(np.asarray(r), np.asarray(q))
+  return _time_round_robin({
+      "sort": (step(False), (x, weights, w1, w3, w2, indices), repeats),
+      "sort+qat": (step(True), (x, weights, w1, w3, w2, indices), repeats),
+      "mxfp4 weights, codec": (jax.jit(codec_weights), (w1, w3, w2), repeats),
+      "mxfp4 weights, fake_round": (jax.jit(direct_weights), (w1, w3, w2), repeats),
+      "mxfp8 inputs, codec": (jax.jit(codec_inputs), (rows, hidden), repeats),
+      "mxfp8 inputs, fake_round": (jax.jit(direct_inputs), (rows, hidden), repeats)}, repeats)
+
+
 def bench_ragged_dot(n, d, f, e, k, repeats):
   """GFLOP/s of ragged_dot [N·k, D] × [E, D, F] vs dense [N·k, D] × [D, F] (same FLOPs).
 
@@ -265,6 +312,10 @@ def main(argv):
   rd = bench_ragged_dot(min(n, 1024), d, f, e, k, FLAGS.repeats)
   print(f"ragged_dot {rd['ragged_dot_gflops']:.1f} GFLOP/s vs dense matmul "
         f"{rd['dense_matmul_gflops']:.1f} GFLOP/s ({rd['ragged_over_dense_time']:.1f}× the time)")
+  qat_ms = bench_qat(n, d, f, e, k, FLAGS.repeats)
+  for name, v in qat_ms.items():
+    print(f"QAT  {name:<28}{v[0]:>10.1f} ms (median {v[1]:.1f})")
+  print(f"QAT overhead: sort+qat / sort = {qat_ms['sort+qat'][0] / qat_ms['sort'][0]:.2f}×")
   head_cf = float(FLAGS.headline.split("@")[1]) if "@" in FLAGS.headline else None
   layer_ms, layer_method = (bench_layer(FLAGS.repeats, head_cf) if FLAGS.layer
                             else (None, None))
@@ -281,6 +332,8 @@ def main(argv):
       "small_methods_ms": {m: (None if v is None else v[0]) for m, v in small.items()},
       "dropped_fraction": drops, **rd,
       "layer_ms": layer_ms,
+      "qat_ms": {m: v[0] for m, v in qat_ms.items()},
+      "qat_overhead": qat_ms["sort+qat"][0] / qat_ms["sort"][0],
   }
   if FLAGS.json:
     print(json.dumps(out))

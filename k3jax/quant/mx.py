@@ -104,10 +104,11 @@ def _encode(mag, sign, fmt: _Fmt):
   return code | (sign.astype(xp.uint8) << (fmt.exp_bits + fmt.man_bits))
 
 
-def _shared_scale(blocks, fmt: _Fmt):
-  """E8M0 byte per block (blocks [..., nb, 32]) and its exponent X as int32."""
+def _shared_scale(blocks, fmt: _Fmt, axis: int = -1, keepdims: bool = False):
+  """E8M0 byte per block (blocks [..., nb, 32], or the 32 along `axis`) and its exponent X
+  as int32."""
   xp = _xp(blocks)
-  amax = xp.max(xp.abs(blocks), axis=-1)
+  amax = xp.max(xp.abs(blocks), axis=axis, keepdims=keepdims)
   _, e = xp.frexp(amax)
   x = xp.where(amax > 0, e - 1 - fmt.emax, -SCALE_BIAS)
   x = xp.clip(x, -SCALE_BIAS, SCALE_BIAS)
@@ -179,6 +180,34 @@ def mxfp8_unpack(codes, scales, dtype=np.float32):
     raise ValueError(f"codes/scales: expected uint8, found {codes.dtype}/{scales.dtype}")
   _check_last_axis(codes, "codes")
   return _dequantize(codes, scales, _E4M3_TABLE, dtype)
+
+
+def fake_round(w, fmt: str = "mxfp4", axis: int = -1):
+  """The values of an MX round trip, computed without codes: each block's shared exponent X
+  (`_shared_scale`), each value rounded on the element grid at that scale
+  (`_round_to_format`, the encoder's own rounding) and multiplied back by 2^X. The encoder
+  and decoder do the same arithmetic with a code in between, so this is `mx_round` value for
+  value (and, along axis −2, `unpack_expert(pack_expert(w))`), in w.dtype, several times
+  cheaper under XLA than building and decoding codes — the form QAT runs (k3jax/quant/qat.py).
+  Under XLA, float32 subnormal results flush to zero, as in `mxfp4_unpack_fast`: values of
+  blocks whose largest magnitude is under 2^−124. Blocks of 32 along `axis` (−1 or −2)."""
+  f = {"mxfp4": E2M1, "mxfp8": E4M3}.get(fmt)
+  if f is None:
+    raise ValueError(f"fmt: expected 'mxfp4' or 'mxfp8', found {fmt!r}")
+  if axis not in (-1, -2) or w.ndim < -axis or w.shape[axis] % BLOCK:
+    raise ValueError(f"w: MX blocks need axis -1 or -2 of a multiple of {BLOCK} values, found "
+                     f"axis {axis} of shape {tuple(w.shape)}")
+  xp = _xp(w)
+  w32 = w.astype(xp.float32)
+  n = w.shape[axis]
+  if axis == -1:
+    blocks = w32.reshape(*w.shape[:-1], n // BLOCK, BLOCK)
+  else:
+    blocks = w32.reshape(*w.shape[:-2], n // BLOCK, BLOCK, w.shape[-1])
+  _, x = _shared_scale(blocks, f, axis=axis, keepdims=True)
+  mag, sign = _round_to_format(xp.ldexp(blocks, -x), f)
+  scale = xp.ldexp(xp.ones(x.shape, xp.float32), x)     # 2^X, one per block
+  return (xp.where(sign, -mag, mag) * scale).reshape(w.shape).astype(w.dtype)
 
 
 def mx_round(w, fmt: str = "mxfp4"):

@@ -1,5 +1,6 @@
 """MX codecs against ml_dtypes' element and scale types (an independent implementation)."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -111,6 +112,24 @@ def test_jax_and_numpy_agree():
   cj, s8j = mx.mxfp8_pack(jnp.asarray(w))
   np.testing.assert_array_equal(np.asarray(cj), c)
   np.testing.assert_array_equal(np.asarray(mx.mxfp8_unpack(cj, s8j)), mx.mxfp8_unpack(c, s8))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_fake_round_is_the_round_trip(fmt):
+  """fake_round (scale, round, multiply back: QAT's form) = decode(encode) value for value and
+  sign for sign, numpy and jax, along the last axis and along axis −2 (expert kernels)."""
+  w = _weights(5, 6, 128, 30)
+  want = mx.mx_round(w, fmt)
+  for got in (mx.fake_round(w, fmt), np.asarray(jax.jit(lambda x: mx.fake_round(x, fmt))(w))):
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+  wt = np.ascontiguousarray(w.T)                                     # [128, 6]: blocks on axis −2
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: mx.fake_round(x, fmt, axis=-2))(
+      jnp.asarray(wt))), want.T)
+  with pytest.raises(ValueError, match=r"axis -2 of shape \(6, 128\)"):
+    mx.fake_round(w, fmt, axis=-2)
+  with pytest.raises(ValueError, match="fmt"):
+    mx.fake_round(w, "mxfp6")
 
 
 def test_errors_name_the_argument():
