@@ -63,7 +63,8 @@ def main(argv):
     teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.vocab_size)
   history, state = loop.run(cfg, config, variables, teachers=teachers, out_dir=_OUT.value)
   if _SAVE.value:
-    save_pretrained(pathlib.Path(_OUT.value) / "policy", config, state.variables,
+    save_pretrained(pathlib.Path(_OUT.value) / "policy", loop.policy_config(cfg, config),
+                    state.variables,
                     step=int(state.step))
   trained = [h for h in history if "reward" in h]
   if trained:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.quant import qat
 from k3jax.rl import logprobs as lp_lib
 from k3jax.rl import rollout as rollout_lib
 from k3jax.rl.losses import LossConfig, group_advantages
@@ -70,8 +71,18 @@ def validate(cfg) -> None:
        f"the learning-rate schedule spans rl.rounds={r.rounds}, found {cfg.train.steps}")
   need(cfg.budget.b0_samples > 0, "budget.b0_samples",
        f"expected > 0, found {cfg.budget.b0_samples}")
+  qat.check_mode(r.get("expert_qat"), "config.rl.expert_qat")
   loss_config(cfg)
   tau_schedule(cfg)
+
+
+def policy_config(cfg, config: ModelConfig) -> ModelConfig:
+  """The policy's model config for RL: `config`, with `cfg.rl.expert_qat` (when set) turning
+  on QAT of the routed experts (spec §13: QAT from SFT through RL). Rollouts, b₀, the
+  trainer's log-probs and the update all run this one config, so the same quantiser samples
+  the tokens and scores them (the mismatch metric covers it)."""
+  mode = cfg.rl.get("expert_qat")
+  return config if mode is None else config.replace(expert_qat=mode)
 
 
 class B0:
@@ -113,6 +124,7 @@ def run(cfg, config: ModelConfig, variables: dict, *, teachers: Teachers | None 
   """Run cfg.rl.rounds rounds from `variables` (module doc). Returns (per-round metrics, the
   final state). `limit_fn(task, rng)` caps each trajectory's length (default max_new_tokens)."""
   validate(cfg)
+  config = policy_config(cfg, config)
   r = cfg.rl
   lcfg = loss_config(cfg)
   taus = tau_schedule(cfg)

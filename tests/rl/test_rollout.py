@@ -1,15 +1,18 @@
 """Rollout log-probs = the trainer's recomputation (fp32, ≤ 1e-5), and partial-rollout
 bookkeeping on a 2-layer model (KDA + MLA): no trajectory lost or duplicated, resumed
-trajectories continue the same tokens (greedy partial rollouts = uninterrupted greedy)."""
+trajectories continue the same tokens (greedy partial rollouts = uninterrupted greedy); with
+rl.expert_qat both sides quantise the experts alike."""
 
 import functools
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
 from k3jax.config import preset
 from k3jax.rl import logprobs as L
+from k3jax.rl import loop
 from k3jax.rl import rollout as R
 from k3jax.rl.partial import PartialRollout
 from k3jax.rl.tasks import STOP_TOKEN, TaskSampler
@@ -39,6 +42,25 @@ def test_rollout_logprobs_equal_trainer_logprobs():
   assert L.mismatch(out.logprobs + 1e-3, lp, out.lengths) > 5e-4
   with pytest.raises(ValueError, match="width"):
     R.sample(CONFIG, _variables(), prompts, [WIDTH] * 4, width=WIDTH, key=jax.random.PRNGKey(0))
+
+
+def test_qat_rollout_logprobs_equal_trainer_logprobs():
+  """rl.expert_qat: the rollout and the trainer both run the fake-quantised experts (one
+  policy config), so their log-probs agree as without QAT — and differ from the unquantised
+  model's."""
+  cfg = ml_collections.ConfigDict({"rl": {"expert_qat": "mxfp4_mxfp8"}})
+  qconfig = loop.policy_config(cfg, CONFIG)
+  assert qconfig.expert_qat == "mxfp4_mxfp8" and loop.policy_config(
+      ml_collections.ConfigDict({"rl": {"expert_qat": None}}), CONFIG) == CONFIG
+  prompts = [t.tokens for t in TaskSampler(seed=3).sample(N * K)]
+  out = R.sample(qconfig, _variables(), prompts, [MAX_NEW] * (N * K), width=WIDTH,
+                 key=jax.random.PRNGKey(4), stop_tokens=[STOP_TOKEN], temperature=1.0)
+  seqs, plens = R.sequences(prompts, [out.row(b)[0] for b in range(N * K)], WIDTH)
+  lp = L.token_logprobs(qconfig, _variables(), seqs, plens, MAX_NEW)
+  assert out.lengths.sum() >= 10
+  assert L.mismatch(out.logprobs, lp, out.lengths) <= 1e-5
+  plain = L.token_logprobs(CONFIG, _variables(), seqs, plens, MAX_NEW)
+  assert L.mismatch(plain, lp, out.lengths) > 1e-4
 
 
 def test_partial_rollout_bookkeeping_and_resumption():
