@@ -17,15 +17,19 @@ Reports, on `small` (random init; timings do not depend on the weights):
 Prints a table and one JSON line (also written to --json_out).
 
   python -m experiments.bench_decode --k3_shaped --json_out=FILE
+  python -m experiments.bench_decode --packed --json_out=FILE
 
 measures instead the decode step of a K3-shaped stack with tiny widths (`tiny` with 93 layers,
 AttnRes blocks of 12, the first layer dense: K3's layout of 4 unrolled layers, 22 scanned
 groups and one suffix layer): the first call's seconds (trace + compile + one step), the
-median step afterwards, and their difference (compile seconds).
+median step afterwards, and their difference (compile seconds). --packed measures the decode
+step of `small` with packed MXFP4 experts against the same model with float experts
+(`packed_vs_float`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -45,6 +49,8 @@ _LONG_MLP = flags.DEFINE_bool("long_mlp", False, "Include the MLPs in the long p
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed decode steps per point.")
 _PREFILL = flags.DEFINE_integer("prefill_tokens", 2048, "Prompt length of the prefill figure.")
 _JSON = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
+_PACKED = flags.DEFINE_bool("packed", False, "Only the decode step of small with packed MXFP4 "
+                            "experts vs its float experts, side by side.")
 _K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
                                "Only the decode compile/step time of a 93-layer K3-shaped stack "
                                "with tiny widths.")
@@ -116,6 +122,44 @@ def k3_shaped(steps: int) -> dict:
           "compile_s": first - step}
 
 
+def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
+  """Decode step of `small` at each context with its routed experts packed MXFP4
+  (`expert_format="mxfp4"`, `mx.pack_expert_params` of the same weights) vs as float params:
+  medians timed in turns (float, packed, float, packed …) so that a shared machine's drift
+  hits both alike; the greedy next token of the two agree (checked)."""
+  from k3jax import generate as G
+  from k3jax.config import preset
+  from k3jax.quant import mx
+  cfg = preset("small")
+  cfg_p = cfg.replace(expert_format="mxfp4")
+  v = _variables(cfg)
+  v_p = {**v, "params": mx.pack_expert_params(v["params"])}
+  res = {"config": "small", "batch": batch, "contexts": contexts, "float_ms": [],
+         "packed_ms": [], "ratio": []}
+  for ctx in contexts:
+    calls = []
+    for c, vv in ((cfg, v), (cfg_p, v_p)):
+      cache = G.init_cache(c, batch, ctx + 1).replace(lengths=jnp.full((batch,), ctx, jnp.int32))
+      step = G._decode_jit(c)
+      tok, one = jnp.ones((batch,), jnp.int32), jnp.ones((batch,), jnp.int32)
+      calls.append(functools.partial(lambda s, vv, cache, t, o: s(vv, cache, t, o)[0],
+                                     step, vv, cache, tok, one))
+    outs = [np.asarray(jax.block_until_ready(f())) for f in calls]   # compile + warm up
+    if not np.array_equal(outs[0].argmax(-1), outs[1].argmax(-1)):
+      print(f"note: greedy tokens differ at context {ctx} (MXFP4 rounding of the experts)")
+    ts = [[], []]
+    for _ in range(steps):
+      for i, f in enumerate(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        ts[i].append(time.perf_counter() - t0)
+    f_ms, p_ms = (1e3 * statistics.median(t) for t in ts)
+    res["float_ms"].append(f_ms)
+    res["packed_ms"].append(p_ms)
+    res["ratio"].append(p_ms / f_ms)
+  return res
+
+
 def _emit(res: dict) -> None:
   """Print the result as one JSON line and write it to --json_out (temporary file, renamed)."""
   line = json.dumps(res)
@@ -129,6 +173,14 @@ def _emit(res: dict) -> None:
 
 def main(argv):
   del argv
+  if _PACKED.value:
+    contexts = [int(c) for c in (_CONTEXTS.value or "1024,8192").split(",")]
+    res = packed_vs_float(contexts, _STEPS.value)
+    for c, f, p, r in zip(contexts, res["float_ms"], res["packed_ms"], res["ratio"]):
+      print(f"context {c}: float experts {f:.2f} ms, packed MXFP4 {p:.2f} ms ({r:.2f}×)")
+    res["load1"] = os.getloadavg()[0]
+    _emit(res)
+    return
   if _K3_SHAPED.value:
     res = k3_shaped(_STEPS.value)
     print(f"K3-shaped decode: first call {res['first_call_s']:.1f} s, step "

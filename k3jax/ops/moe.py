@@ -403,6 +403,9 @@ def expert_mlp(x: Array, weights: Array, indices: Array, w1: Array, w3: Array, w
   act, weights, indices, w1, w3, w2 = _prepare(x, weights, indices, w1, w3, w2, activation,
                                                beta1, beta2)
   x, act = quantized_inputs(x, act, input_quant)
+  if (gmm is None and capacity is None and indices.size < w1.shape[0]
+      and all(isinstance(w, MXFP4Weight) for w in (w1, w3, w2))):
+    return _expert_mlp_pairs(x, weights, indices, w1, w3, w2, act)
   if gmm is None:
     return _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity)
   return _expert_mlp_grouped(x, weights, indices, w1, w3, w2, act, capacity, gmm)
@@ -498,6 +501,21 @@ def sort_layout(num_tokens: int, k: int, num_experts: int,
   if num_experts * c <= 2 * num_tiles * t:
     return "buffer", num_experts * c, c
   return "tiled", num_tiles * t, t
+
+
+def _expert_mlp_pairs(x, weights, indices, w1, w3, w2, act):
+  """Fewer (token, expert) pairs than experts (a decode step) with packed experts: each pair
+  is its own one-row "expert" whose MXFP4 bytes are gathered, so only the N·k routed experts
+  are dequantised, not all E (the sorted layouts dequantise every expert a buffer touches).
+  Dropless; the same per-row MLP (`batched_experts`) and combine as `_expert_mlp_sort`."""
+  n, d = x.shape
+  k = indices.shape[1]
+  pairs = indices.reshape(-1)                                        # [P], pair p = token p // k
+  take = lambda w: MXFP4Weight(w.packed[pairs], w.scale[pairs])
+  rows = jnp.repeat(x, k, axis=0)[:, None, :]                        # [P, 1, D]
+  out = batched_experts(rows, take(w1), take(w3), take(w2), act).reshape(n, k, d)
+  y = jnp.sum(weighted_rows(weights[..., None], out), axis=1)
+  return y.astype(x.dtype), jnp.zeros([], jnp.int32)
 
 
 def _expert_mlp_sort(x, weights, indices, w1, w3, w2, act, capacity_):

@@ -31,6 +31,8 @@ def _dense(ws, dtype=jnp.float32):
     (24, 8, 2, 8, None),         # capacity buffer, all experts in one chunk
     (24, 8, 2, 8, 3 * 32 * 64 * 2),   # capacity buffer, scanned in chunks of 2 experts
     (16, 4, 3, 4, 1),            # chunks of 1 expert, drops
+    (3, 16, 2, None, None),      # 6 pairs < 16 experts (a decode step): pairs, 6 dequantised
+    (3, 16, 2, None, 3 * 32 * 64 * 2),   # the same in chunks of 2 pairs
 ])
 def test_packed_equals_dequantised_reference(monkeypatch, n, e, k, cap, chunk):
   if chunk is not None:
@@ -54,6 +56,16 @@ def test_packed_gradient_wrt_tokens(monkeypatch):
   g = jax.jit(jax.grad(loss(moe.expert_mlp, packed)))(x)
   g_ref = jax.grad(loss(moe.expert_mlp_reference, _dense(packed)))(x)
   np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_decode_step_gradient_wrt_tokens():
+  """The pairs path (fewer pairs than experts) passes gradients to its tokens too."""
+  x, weights, indices, packed = _problem(3, 2, 32, 64, 16, 2)
+  loss = lambda fn, ws: lambda x_: jnp.sum(fn(x_, weights, indices, *ws)[0] ** 2)
+  g = jax.jit(jax.grad(loss(moe.expert_mlp, packed)))(x)
+  g_ref = jax.grad(loss(moe.expert_mlp_reference, _dense(packed)))(x)
+  np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+  assert float(jnp.abs(g).max()) > 1e-3
 
 
 def test_packed_bf16_compute_matches_dequantised_bf16():
