@@ -177,7 +177,8 @@ def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
   t0 = time.perf_counter()
   hist, _ = loop.run(c, config, variables, out_dir=out / name)
   _write(out, name, {"budget": dict(c.budget), "rl": dict(c.rl), "loss": dict(c.loss),
-                     "lr": c.optim.lr, "muon": c.optim.muon, "seconds": time.perf_counter() - t0, "rounds": hist})
+                     "lr": c.optim.lr, "muon": c.optim.muon,
+                     "seconds": time.perf_counter() - t0, "rounds": hist})
 
 
 def accuracy(config, variables, n: int = 64, seed: int = 99) -> float:

@@ -46,9 +46,9 @@ def forward(config: ModelConfig, variables, cache: Cache, tokens, num_new, *,
   """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
   (a `k3jax.vision.media.Media`) fills the placeholder tokens among them.
 
-  Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature
-  input: before the final norm, or the EAGLE-3 fusion), new cache, aux). path="chunked": aux is None. path="step": the KDA layers run
-  token by token and aux (their "rewind" collection) lets `serving.speculative.rewind` keep
+  Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature input:
+  before the final norm, or the EAGLE-3 fusion), new cache, aux). path="chunked": aux is
+  None. path="step": the KDA layers run token by token and aux (their "rewind" collection) lets `serving.speculative.rewind` keep
   any prefix of the tokens. The MoE runs dropless (`config.for_inference()`).
   """
   if path not in ("chunked", "step"):
@@ -77,14 +77,10 @@ def _jitted(config: ModelConfig, path: str):
   return jax.jit(functools.partial(forward, config, path=path))
 
 
-def _verify_jit(config: ModelConfig):
-  """The rewindable multi-token forward of speculative verification."""
-  return _jitted(config, "step")
-
-
 @functools.lru_cache(maxsize=None)
-def _jitted_draft(config: ModelConfig, return_hidden: bool = False):
-  return jax.jit(functools.partial(draft, config, return_hidden=return_hidden))
+def _jitted_draft(config: ModelConfig):
+  """`draft` with the draft's hidden state (what speculative decoding chains on)."""
+  return jax.jit(functools.partial(draft, config, return_hidden=True))
 
 
 @functools.lru_cache(maxsize=None)

@@ -339,8 +339,9 @@ def reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False):
     m = params["mtp"]
     mb = variables["balance"]["mtp"]["layer"]
     # Position t: the main model's hidden state h_t (before the final norm; with eagle_blocks
-    # the EAGLE-3 feature) and the embedding of token t+1. Its document is the pair (document of t, document of t+1): a position whose
-    # two tokens lie in different documents is a document of its own.
+    # the EAGLE-3 feature) and the embedding of token t+1. Its document is the pair (document
+    # of t, document of t+1): a position whose two tokens lie in different documents is a
+    # document of its own.
     feature = h
     if cfg.eagle_blocks is not None:   # EAGLE-3: draft_fuse over the chosen block representations
       reps = blocks + [partial]        # reps[j]: block j (0: the embeddings; the last: partial)

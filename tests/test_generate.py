@@ -106,7 +106,7 @@ def test_rewind_leaves_cache_as_if_draft_never_fed():
   _, cache = G.prefill(cfg, v, tokens[:, :CHUNK], np.array([5, 4]), max_len=S, chunk=CHUNK)
   uv = G.unbox(v)
   feed = jnp.asarray(tokens[:, 8:10])
-  _, _, after, aux = G._verify_jit(cfg)(uv, cache, feed, jnp.full((B,), 2, jnp.int32))
+  _, _, after, aux = G._jitted(cfg, "step")(uv, cache, feed, jnp.full((B,), 2, jnp.int32))
   keep = jnp.array([1, 2])
   rew = speculative.rewind(after, cache, aux, keep)
   _, one = G.decode_step(cfg, v, cache, feed[:, 0], active=np.array([True, True]))

@@ -185,7 +185,7 @@ def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Seque
                      f"max_len={max_len}")
   logits, hidden, cache = G.prefill(config, variables, toks, lengths, max_len=max_len,
                                     return_all=True)
-  mtp = G._jitted_draft(config, True)
+  mtp = G._jitted_draft(config)
   # Draft entries for prompt positions 0..len−2 (pairs (feature i, token i+1)).
   nxt = np.zeros_like(toks)
   nxt[:, :-1] = toks[:, 1:]

@@ -234,4 +234,5 @@ def build_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
 
 
 __all__ = ["opt_state_shardings", "train_state_shardings", "logical_variables",
-           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "build_step", "mesh_rules"]
+           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "mesh_rules",
+           "build_step"]
