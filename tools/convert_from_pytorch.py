@@ -3,7 +3,8 @@
   python -m tools.convert_from_pytorch --src HF_DIR --dst OUT_DIR \
       [--arch auto|kimi_linear|kimi_k3|kimi_k25] [--only all|vision] [--dtype float32|bfloat16] \
       [--allow_torch_pickle] [--skip_prefix PREFIX ...] [--check_only] [--mtp_seed 0] \
-      [--expert_format bf16|mxfp4] [--drop_mtp]
+      [--expert_format bf16|mxfp4] [--drop_mtp] [--workers N] \
+      [--process_index I --process_count N [--wait_timeout_s S]]
 
 HF_DIR holds config.json and model.safetensors, or shards named by
 model.safetensors.index.json. OUT_DIR must not exist; it appears only when the conversion is
@@ -22,6 +23,13 @@ model of a multimodal release alone). The release has no MTP tensors: a config w
 layer gets one initialised as K3Model.init does (--mtp_seed), reported here and in
 OUT_DIR/conversion.json (--drop_mtp converts without it); an export written with --mtp
 carries it under `k3jax_mtp.*`.
+
+Speed: --workers processes convert at once (default: one per CPU core, at most 8), each
+writing its share of the leaves straight into the checkpoint. Several hosts: run the same
+command on each with --process_index i --process_count n and a --dst on a filesystem all of
+them see; process i converts its share and process 0 saves the checkpoint once every share is
+written. Resume: an interrupted conversion leaves `.DST_NAME.partial/` beside --dst; the same
+command skips what it completed (other flags or a changed source are refused).
 
 --check_only reads config.json, the index and every shard's header (no tensor data) and
 reports every missing, unexpected, mis-shaped and mis-typed tensor (exit status 1), or a
@@ -53,12 +61,19 @@ flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
                   "routed experts of the result: bf16 (MXFP4 decoded to --dtype) or mxfp4 "
                   "(the release's bytes kept packed: ModelConfig.expert_format='mxfp4')")
 flags.DEFINE_integer("mtp_seed", 0, "seed of the fresh MTP layer when the source has none")
+flags.DEFINE_integer("workers", None, "processes converting at once (default: one per CPU "
+                     "core, at most 8)")
+flags.DEFINE_integer("process_index", 0, "this process's index in a multi-host conversion")
+flags.DEFINE_integer("process_count", 1, "processes (hosts) converting together")
+flags.DEFINE_float("wait_timeout_s", None, "process 0: give up waiting for the other "
+                   "processes' shares after this many seconds (default: wait)")
 flags.DEFINE_bool("drop_mtp", False, "convert without the config's MTP layer (num_mtp_layers=0) "
                   "instead of initialising a fresh one")
 
 
 def main(argv):
   del argv
+  import os
   import sys
   import time
 
@@ -70,7 +85,10 @@ def main(argv):
     out = convert(FLAGS.src, FLAGS.dst, arch=FLAGS.arch, dtype=FLAGS.dtype,
                   allow_torch_pickle=FLAGS.allow_torch_pickle, progress=FLAGS.progress,
                   only=FLAGS.only, skip_prefix=FLAGS.skip_prefix, check_only=FLAGS.check_only,
-                  mtp_seed=FLAGS.mtp_seed, **({"num_mtp_layers": 0} if FLAGS.drop_mtp else {}),
+                  mtp_seed=FLAGS.mtp_seed, workers=FLAGS.workers or min(8, os.cpu_count() or 1),
+                  process_index=FLAGS.process_index, process_count=FLAGS.process_count,
+                  wait_timeout_s=FLAGS.wait_timeout_s,
+                  **({"num_mtp_layers": 0} if FLAGS.drop_mtp else {}),
                   **({"expert_format": "mxfp4"} if FLAGS.expert_format == "mxfp4" else {}))
   except ValueError as e:
     if not FLAGS.check_only:
@@ -79,8 +97,8 @@ def main(argv):
     sys.exit(1)
   if FLAGS.check_only:
     print(f"check passed in {time.perf_counter() - t0:.1f} s")
-  else:
-    print(f"wrote {out}")
+  elif out is not None:   # other processes of a multi-host conversion: logged by convert
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
     for p in ("q", "k", "v"):
       add("params", (a, f"{p}_proj", "kernel"), (d, h, k), "linear", False,
           f"{a}.{p}_proj.weight", (hk, d))
-      add("params", (a, f"{p}_conv1d", "kernel"), (w, h, k), "conv", True,
+      add("params", (a, f"{p}_conv1d"), (w, h, k), "conv", True,
           f"{a}.{p}_conv1d.weight", (hk, 1, w))
     add("params", (a, "f_a_proj", "kernel"), (d, r), "linear", False, f"{a}.f_a_proj.weight", (r, d))
     add("params", (a, "f_b_proj", "kernel"), (r, h, k), "linear", False,
@@ -116,7 +116,7 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
     else:                           # K3: A_log padded to 128 entries
       add("params", (a, "A_log"), (h,), "a_log_pad", True, f"{a}.A_log", (max(A_LOG_PAD, h),))
     add("params", (a, "dt_bias"), (h, k), "copy", True, f"{a}.dt_bias", (hk,))
-    add("params", (a, "o_norm", "weight"), (k,), "copy", True, f"{a}.o_norm.weight", (k,))
+    add("params", (a, "o_norm"), (k,), "copy", True, f"{a}.o_norm.weight", (k,))
     add("params", (a, "o_proj", "kernel"), (h, k, d), "linear", False, f"{a}.o_proj.weight", (d, hk))
   else:
     h, dqk, nope, v = c.num_heads, c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim
@@ -335,29 +335,19 @@ def vision_leaves(vc) -> list[Leaf]:
   return out
 
 
-def align(leaves_: list[Leaf], paths: set[tuple[str, ...]]) -> list[Leaf]:
-  """Match our leaf paths to an actual variables tree (`paths`: (collection, *path) tuples).
-
-  docs/contracts.md names KDA's convs `q_conv1d/kernel` and its output norm `o_norm/weight`;
-  a model that stores them as bare parameters (`q_conv1d`, `o_norm`) is matched by dropping
-  the last path element. Anything else unmatched is a ValueError listing the paths.
-  """
-  out, unmatched = [], []
-  for leaf in leaves_:
-    full = (leaf.collection,) + leaf.path
-    if full in paths:
-      out.append(leaf)
-    elif full[:-1] in paths and full[-1] in ("kernel", "weight"):
-      out.append(dataclasses.replace(leaf, path=leaf.path[:-1]))
-    else:
-      unmatched.append("/".join(full))
-  ours = {(l.collection,) + l.path for l in out}
-  extra = sorted("/".join(p) for p in paths - ours)
-  if unmatched or extra:
+def check_paths(leaves_: list[Leaf], paths: dict[tuple[str, ...], tuple[int, ...]]) -> None:
+  """The tensor map must build exactly the model's variables (`paths`: (collection, *path) →
+  shape, from `model_paths`) with their shapes: ValueError listing every difference."""
+  ours = {(l.collection,) + l.path: tuple(l.shape) for l in leaves_}
+  unmatched = sorted("/".join(p) for p in set(ours) - set(paths))
+  extra = sorted("/".join(p) for p in set(paths) - set(ours))
+  wrong = sorted(f"{'/'.join(p)}: map {list(ours[p])}, model {list(paths[p])}"
+                 for p in set(ours) & set(paths) if ours[p] != tuple(paths[p]))
+  if unmatched or extra or wrong:
     raise ValueError("the converter's tensor map and the model's variables differ:"
                      + (f"\n  not in the model: {unmatched[:20]}" if unmatched else "")
-                     + (f"\n  not converted: {extra[:20]}" if extra else ""))
-  return out
+                     + (f"\n  not converted: {extra[:20]}" if extra else "")
+                     + (f"\n  shapes differ: {wrong[:20]}" if wrong else ""))
 
 
 @functools.lru_cache(maxsize=8)
@@ -538,6 +528,6 @@ def slot_nbytes(slot: Slot) -> int:
   return sum(math.prod(s) for s in slot.shapes)
 
 
-__all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "align", "model_paths", "to_ours",
+__all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "check_paths", "model_paths", "to_ours",
            "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX", "MTP_PREFIX",
            "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan", "export_dtype"]

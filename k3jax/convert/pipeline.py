@@ -1,10 +1,11 @@
 """PyTorch checkpoint directory ⇄ k3jax checkpoint (orbax, `k3jax.load_pretrained` layout).
 
 convert(src, dst): config.json → ModelConfig; validate every tensor's presence, shape and dtype
-against what the config implies (errors list the offending names); then fill our leaves one
-PyTorch tensor at a time. Large leaves live in memory-mapped scratch files (not in RAM) until
-orbax writes them; the result is written under a temporary name and renamed to `dst` only when
-complete, so an interrupted run never leaves a directory that looks like a checkpoint.
+against what the config implies (errors list the offending names); then write our leaves one
+PyTorch tensor at a time straight into the checkpoint, by parallel workers or several hosts,
+resumable (`k3jax.convert.streaming`). The result is assembled beside `dst` and renamed to it
+only when complete, so an interrupted run never leaves a directory that looks like a
+checkpoint.
 
 export(src, dst): the inverse, to sharded safetensors + index + config.json (MXFP4 or unquantised
 experts; K3's A_log padded to 128), also via a temporary directory.
@@ -17,9 +18,8 @@ also reads Kimi K2.5's spellings: arch "kimi_k25").
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import json
-import mmap
 import os
 import pathlib
 import re
@@ -31,10 +31,10 @@ import numpy as np
 from k3jax import hf_config
 from k3jax.config import ModelConfig
 from k3jax.convert import names as N
-from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir, staging_path
+from k3jax.convert import streaming
+from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir
 from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
 
-MEMMAP_MIN_BYTES = 4 << 20    # leaves at least this big are built in memory-mapped scratch files
 
 
 def resolve_arch(d: dict, arch: str) -> str:
@@ -135,66 +135,8 @@ def normalize_names(source: Source) -> list[tuple[str, str]]:
   return renames
 
 
-def _mmap_of(a):
-  """The mmap object behind a (view of a) np.memmap, or None."""
-  while a is not None and not isinstance(a, mmap.mmap):
-    a = getattr(a, "base", None)
-  return a
-
-
-@contextlib.contextmanager
-def _orbax_streaming_numpy():
-  """Make orbax write numpy leaves one at a time, without copies, releasing pages as it goes.
-
-  orbax's NumpyHandler deep-copies every numpy leaf (a guard against callers modifying arrays
-  during an async save) and then writes all leaves concurrently: for us that is the whole model
-  in RAM. Our leaves are memory-mapped scratch files that nobody else touches, so while
-  converting, numpy leaves go through a NumpyHandler subclass that skips the copy, writes one
-  leaf at a time and drops each written leaf's pages from the resident set. Same handler type
-  string, so the checkpoint and its restore are exactly those of a plain save.
-  (Relies on NumpyHandler._open_and_write of orbax-checkpoint 0.12.)
-  """
-  import asyncio
-
-  from orbax.checkpoint import type_handlers as th
-
-  class SequentialNumpyHandler(th.NumpyHandler):
-    def __init__(self):
-      super().__init__(deepcopy_host_arrays=False)
-      self._locks = {}
-
-    async def serialize(self, values, infos, args=None):
-      # No zstd: weights barely compress (≈10% for bf16) and compressing was the largest
-      # single cost of a conversion (experiments/bench_convert.py, docs/notes/convert.md).
-      # The zarr metadata records it, so restore is unchanged.
-      for info in infos:   # ParamInfo objects made for this save: ours to change
-        info.use_compression = False
-      return await super().serialize(values, infos, args)
-
-    async def _open_and_write(self, value, tspec, ts_context):
-      loop = asyncio.get_running_loop()
-      lock = self._locks.setdefault(id(loop), asyncio.Semaphore(1))
-      async with lock:
-        await super()._open_and_write(value, tspec, ts_context)
-        m = _mmap_of(value)
-        if m is not None:
-          m.madvise(mmap.MADV_DONTNEED)
-
-  old = th.get_type_handler(np.ndarray)
-  th.register_type_handler(np.ndarray, SequentialNumpyHandler(), override=True)
-  try:
-    yield
-  finally:
-    th.register_type_handler(np.ndarray, old, override=True)
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-  for p in path[:-1]:
-    tree = tree.setdefault(p, {})
-  tree[path[-1]] = value
-
-
 ONLY = ("all", "vision")
+PARTS_PER_WORKER = 4   # more parts than workers: the last ones finish together
 
 
 def fresh_mtp(config: ModelConfig, seed: int = 0) -> dict:
@@ -224,12 +166,24 @@ def _skip(infos: dict, skip_prefix: tuple[str, ...]) -> tuple[dict, list[str]]:
   return {n: i for n, i in infos.items() if not n.startswith(skip_prefix)}, skipped
 
 
+def _check_a_log_padding(source: Source, leaves: list[N.Leaf]) -> None:
+  """K3's A_log [128] must be zero past the real heads (ValueError naming the tensor and the
+  values, from `names.to_ours`): checked for every layer before a conversion writes."""
+  for leaf in leaves:
+    if leaf.kind == "a_log_pad":
+      for slot in leaf.slots:
+        N.to_ours(leaf, [source.get(n) for n in slot.names], np.float32, slot.names)
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "auto",
             dtype: str = "float32", allow_torch_pickle: bool = False, progress: bool = True,
             log: Callable[[str], None] = print, only: str = "all",
             skip_prefix: tuple[str, ...] | list[str] = (), check_only: bool = False,
-            mtp_seed: int = 0, **config_overrides) -> pathlib.Path | None:
-  """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`.
+            mtp_seed: int = 0, workers: int = 1, process_index: int = 0,
+            process_count: int = 1, wait_timeout_s: float | None = None,
+            **config_overrides) -> pathlib.Path | None:
+  """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`
+  (None for --check_only, and for processes other than 0 of a multi-process conversion).
 
   dtype: storage of matmul weights ("float32" or "bfloat16"); norms, A_log, dt_bias, convs and
   the router stay float32 whatever it says; vision tensors follow it.
@@ -245,8 +199,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   `mtp_seed`), reported through `log` and in `dst/conversion.json`.
   check_only: read config.json, the index and every shard's header (no tensor data), report
   every problem (ValueError) or log a summary; nothing is written and `dst` is not used.
+  workers: processes converting at once (1: this process); the leaves are split into
+  `process_count × workers` parts (`k3jax.convert.streaming`), each written straight into the
+  checkpoint by one worker.
+  process_index, process_count: process i of n (one per host, `dst` on a filesystem all of
+  them see) converts parts k ≡ i (mod n); process 0 then waits for the others' parts
+  (`wait_timeout_s`, None: forever) and saves the checkpoint. The others return None.
+  Resume: an interrupted conversion leaves `.<dst name>.partial/` beside dst; rerunning with
+  the same source and settings skips the leaves it completed. A data error (ValueError)
+  removes it: nothing is left behind.
   """
-  from k3jax.train.checkpoint import save_pretrained
+  from k3jax.train.checkpoint import config_to_dict
   src = pathlib.Path(src)
   if only not in ONLY:
     raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
@@ -255,6 +218,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   skip_prefix = tuple(skip_prefix)
   if any(not p for p in skip_prefix):
     raise ValueError("--skip_prefix: an empty prefix would skip every tensor")
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"--process_index {process_index} must be in [0, --process_count "
+                     f"{process_count})")
+  if workers < 1:
+    raise ValueError(f"--workers must be ≥ 1, found {workers}")
   if not check_only:
     dst = pathlib.Path(dst)
     check_dst(dst)
@@ -310,75 +278,68 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
         f"{text_prefix + 'model.'!r}): {n_tensors} tensors, {total / 2**30:.2f} GiB"
         + (f"; {mtp_note}" if mtp_note else ""))
     return None
-  # The checkpoint matches the config; now match our map to the model's variables tree.
-  model_tree = N.model_paths(config)
-  if new_mtp:
-    model_tree = {k: v for k, v in model_tree.items() if k[1:2] != ("mtp",)}
-  leaves = N.align(leaves, set(model_tree))
-  wrong = []
-  for leaf in leaves:
-    key = (leaf.collection,) + leaf.path
-    if tuple(leaf.shape) != model_tree[key]:
-      wrong.append(f"{'/'.join(key)}: map {list(leaf.shape)}, model {list(model_tree[key])}")
-  if wrong:
-    raise ValueError(f"the converter's shapes and the model's differ:{_fmt_list(wrong)}")
+  # The checkpoint matches the config. That our map builds exactly the model's variables is
+  # checked from jax.eval_shape of the model (seconds of tracing), in a thread while the
+  # leaves are written: a mismatch is a bug of this converter, reported before saving.
+  def check_map():
+    model_tree = N.model_paths(config)
+    if new_mtp:
+      model_tree = {k: v for k, v in model_tree.items() if k[1:2] != ("mtp",)}
+    N.check_paths(leaves, model_tree)
+  checker = concurrent.futures.ThreadPoolExecutor(1)
+  map_checked = checker.submit(check_map)
+  checker.shutdown(wait=False)
 
-  scratch = staging_path(dst, "scratch")
-  variables: dict = {"params": {}, "balance": {}}
+  store = STORE[dtype]
+  source_bytes = [sum(infos[n].nbytes for s in leaf.slots for n in s.names) for leaf in leaves]
+  _check_a_log_padding(source, leaves)   # a value check: before anything is written
+  stage = streaming.Stage.of(dst)
+  plan, resumed = streaming.open_stage(stage, {
+      "version": streaming.PLAN_VERSION, "source_files": streaming.fingerprint(source),
+      "arch": arch, "dtype": dtype, "text_prefix": text_prefix,
+      "config": config_to_dict(config), "skip_prefix": list(skip_prefix),
+      "mtp": "fresh" if new_mtp else "converted", "mtp_seed": mtp_seed if new_mtp else None,
+      "leaves": [streaming.param_name(leaf) for leaf in leaves],
+      "parts": process_count * workers * (PARTS_PER_WORKER if workers > 1 else 1)})
+  n_parts = plan["parts"]
+  parts = streaming.assign_parts(leaves, source_bytes, n_parts)
+  mine = [k for k in range(n_parts) if k % process_count == process_index]
+  if resumed:
+    done = sum(len(stage.done_names(k)) for k in range(n_parts))
+    log(f"resuming the conversion in {str(stage.root)!r}: {done} of {len(leaves)} leaves "
+        "already written")
+  jobs = [streaming.PartJob(src=str(source.dir), allow_torch_pickle=allow_torch_pickle,
+                            aliases=tuple(renamed), stage=str(stage.root), part=k,
+                            leaves=tuple(leaves[i] for i in parts[k]), dtype=store.name)
+          for k in mine if not stage.complete(k)]
+  todo = sum(source_bytes[i] for k in mine if not stage.complete(k) for i in parts[k])
   try:
-    with staged_dir(dst, create=False) as tmp:   # orbax makes the directory
-      scratch.mkdir()
-      _fill(source, leaves, variables, scratch, dtype, total, n_tensors, progress)
-      if new_mtp:
-        log(f"MTP: {mtp_note}")
-        for coll, tree in fresh_mtp(config, mtp_seed).items():
-          variables[coll]["mtp"] = tree
-      if not variables["balance"]:
-        del variables["balance"]
-      log(f"writing orbax checkpoint ({len(leaves)} leaves)")
-      with _orbax_streaming_numpy():
-        save_pretrained(tmp, config, variables)
-      del variables
-      meta = {"source": str(source.dir.resolve()), "arch": arch,
-              "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
-              "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
-              "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
-              "mtp_note": mtp_note}
-      (tmp / "conversion.json").write_text(json.dumps(meta, indent=2))
-  finally:
-    shutil.rmtree(scratch, ignore_errors=True)
+    with progress_bar(todo, "convert", progress) as bar:
+      bar.set_postfix_str(f"{len(jobs)} part(s), {min(max(1, workers), len(jobs) or 1)} "
+                          "worker(s)", refresh=False)
+      streaming.run_parts(jobs, workers, bar)
+    map_checked.result()
+    if process_index != 0:
+      log(f"process {process_index} of {process_count}: part(s) {mine} written; process 0 "
+          "saves the checkpoint")
+      return None
+    streaming.wait_for_parts(stage, n_parts, log, wait_timeout_s)
+    in_memory: dict = {}
+    if new_mtp:
+      log(f"MTP: {mtp_note}")
+      in_memory = {coll: {"mtp": tree} for coll, tree in fresh_mtp(config, mtp_seed).items()}
+    meta = {"source": str(source.dir.resolve()), "arch": arch,
+            "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
+            "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
+            "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
+            "mtp_note": mtp_note, "parts": n_parts, "resumed": resumed}
+    log(f"writing orbax checkpoint ({len(leaves)} leaves)")
+    streaming.save(stage, config, leaves, store, n_parts, in_memory, meta, dst)
+  except ValueError:
+    # Bad data (not an interruption): rerunning cannot help, so leave nothing behind.
+    shutil.rmtree(stage.root, ignore_errors=True)
+    raise
   return dst
-
-
-def _fill(source: Source, leaves: list[N.Leaf], variables: dict, scratch: pathlib.Path,
-          dtype: str, total: int, n_tensors: int, progress: bool) -> None:
-  """Fill `variables[collection][path]` with every leaf, read from `source` one slot at a
-  time. Leaves of ≥ MEMMAP_MIN_BYTES live in memory-mapped scratch files (pages released after
-  each leaf) so that RAM holds about one source tensor and its converted copy."""
-  done = 0
-  with progress_bar(total, "convert", progress) as bar:
-    for li, leaf in enumerate(leaves):
-      store = (np.dtype(np.uint8) if leaf.kind == "u8" else
-               np.dtype(np.float32) if leaf.fp32 else STORE[dtype])
-      nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * store.itemsize
-      if nbytes >= MEMMAP_MIN_BYTES:
-        arr = np.lib.format.open_memmap(scratch / f"{li}.npy", mode="w+", dtype=store,
-                                        shape=leaf.shape)
-      else:
-        arr = np.empty(leaf.shape, store)
-      for slot in leaf.slots:
-        raw = [source.get(n, copy=False) for n in slot.names]   # mmap views, no copy
-        N.to_ours_into(arr[slot.index], leaf, raw, slot.names)
-        done += len(slot.names)
-        bar.update(sum(r.nbytes for r in raw))
-        bar.set_postfix_str(f"{done}/{n_tensors} tensors", refresh=False)
-        del raw
-      if isinstance(arr, np.memmap):
-        # Written pages go to disk and leave this process's resident set (they stay in the
-        # page cache, reclaimable, until orbax reads them back).
-        arr.flush()
-        arr._mmap.madvise(mmap.MADV_DONTNEED)
-      _set(variables[leaf.collection], leaf.path, arr)
 
 
 # ---------------------------------------------------------------------- export
@@ -447,8 +408,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
     have = {p: s for p, s in have.items() if p[1:2] != ("mtp",)}
     log("MTP layer not written (the release has none); export(mtp=True) / --mtp writes it "
         f"under {N.MTP_PREFIX}*")
-  leaves = N.align(N.leaves(config, arch, expert_format, text_prefix=text_prefix, mtp=mtp),
-                   set(have))
+  leaves = N.leaves(config, arch, expert_format, text_prefix=text_prefix, mtp=mtp)
   # Our tree must hold exactly these leaves with these shapes.
   want = {(l.collection,) + l.path: l.shape for l in leaves}
   missing = sorted("/".join(p) for p in set(want) - set(have))

@@ -209,14 +209,30 @@ def _unbox(tree):
     return tree
 
 
+def _sharded_target(config: ModelConfig, metadata, mesh: jax.sharding.Mesh) -> dict:
+  """ShapeDtypeStructs of a checkpoint's variables (shapes and dtypes as saved) carrying the
+  model's shardings over `mesh`."""
+  from k3jax import sharding
+  from k3jax.model import K3Model
+  boxed = jax.eval_shape(lambda: K3Model(config).init(jax.random.key(0),
+                                                      jax.numpy.zeros((1, 2), jax.numpy.int32)))
+  shardings = sharding.param_shardings(mesh, {c: boxed[c] for c in metadata if c in boxed})
+  return jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
+                      {c: dict(metadata[c]) for c in shardings}, shardings)
+
+
 def _is_step_dir(p: pathlib.Path) -> bool:
   return p.is_dir() and p.name.isdigit() and (p / "variables").is_dir()
 
 
-def load_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+def load_pretrained(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None
+                    ) -> tuple[ModelConfig, dict]:
   """(config, variables) from a training run directory, a CheckpointManager directory or one
   step directory; `K3Model(config).apply(variables, tokens)` then gives logits.
 
+  mesh: restore every array sharded over it by the model's logical-axis rules
+  (`sharding.param_shardings`), each process reading only the pieces its devices hold (what a
+  pod needs for a checkpoint larger than one host's memory); None: whole arrays.
   Picks the newest step that restores; unreadable steps are skipped with a warning.
   """
   ocp = _ocp()
@@ -237,15 +253,22 @@ def load_pretrained(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
   try:
     for step in steps:
       try:
+        if mesh is None:
+          out = mgr.restore(step, args=ocp.args.Composite(
+              model_config=ocp.args.JsonRestore(), variables=ocp.args.StandardRestore()))
+          config = config_from_dict(out["model_config"])
+          return config, jax.tree.map(jax.numpy.asarray, dict(out["variables"]))
+        config = config_from_dict(mgr.restore(step, args=ocp.args.Composite(
+            model_config=ocp.args.JsonRestore()))["model_config"])
+        metadata = ocp.StandardCheckpointHandler().metadata(root / str(step) / "variables")
+        target = _sharded_target(config, metadata.tree, mesh)
         out = mgr.restore(step, args=ocp.args.Composite(
-            model_config=ocp.args.JsonRestore(), variables=ocp.args.StandardRestore()))
-        config = config_from_dict(out["model_config"])
+            variables=ocp.args.StandardRestore(target)))
+        return config, dict(out["variables"])
       except Exception as e:  # noqa: BLE001
         warnings.warn(f"load_pretrained: skipping unreadable checkpoint {root}/{step}: "
                       f"{type(e).__name__}: {str(e)[:200]}")
         continue
-      variables = jax.tree.map(jax.numpy.asarray, dict(out["variables"]))
-      return config, variables
   finally:
     mgr.close()
   raise ValueError(f"load_pretrained: no readable checkpoint under {str(path)!r}")
