@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import shutil
+import threading
 from typing import Callable
 
 import numpy as np
@@ -136,7 +137,7 @@ def normalize_names(source: Source) -> list[tuple[str, str]]:
 
 
 ONLY = ("all", "vision")
-PARTS_PER_WORKER = 4   # more parts than workers: the last ones finish together
+PARTS_PER_WORKER = 8   # more parts than workers: the last ones finish together
 
 
 def fresh_mtp(config: ModelConfig, seed: int = 0) -> dict:
@@ -282,6 +283,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   # checked from jax.eval_shape of the model (seconds of tracing), in a thread while the
   # leaves are written: a mismatch is a bug of this converter, reported before saving.
   def check_map():
+    # Lowest CPU priority for this thread: the writers come first on a busy machine.
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     model_tree = N.model_paths(config)
     if new_mtp:
       model_tree = {k: v for k, v in model_tree.items() if k[1:2] != ("mtp",)}

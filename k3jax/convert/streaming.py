@@ -26,7 +26,7 @@ written again); other settings are refused, naming what differs.
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
@@ -46,7 +46,7 @@ from k3jax.convert import names as N
 PLAN_VERSION = 1
 CHUNK_MAX_BYTES = 64 << 20     # zarr chunks at most this big: a host reads only what it holds
 BATCH_BYTES = 64 << 20         # slot writes committed together (bounds a worker's memory)
-SYNC_BYTES = 1 << 30           # written data synced, then its leaves recorded as done
+SYNC_BYTES = 256 << 20         # written data synced, then its leaves recorded as done
 PART_PREFIX = "ocdbt.process_p"
 
 
@@ -260,34 +260,41 @@ def write_part(job: PartJob, progress: Callable[[int], None] = lambda n: None) -
   source = Source(job.src, allow_torch_pickle=job.allow_torch_pickle)
   for old, new in job.aliases:
     source.alias(old, new)
-  with _part_lock(stage, job.part):
+  with _part_lock(stage, job.part), \
+       open(stage.done / f"p{job.part}.txt", "a") as log, \
+       concurrent.futures.ThreadPoolExecutor(1) as syncer:
     done = stage.done_names(job.part)
     ctx = _ts_context()
-    written, unsynced, finished = 0, 0, []
-    with open(stage.done / f"p{job.part}.txt", "a") as log:
-      def record():   # data on disk first, then the names that say so
-        _sync_tree(stage.part_db(job.part))
-        log.write("".join(n + "\n" for n in finished))
-        log.flush()
-        os.fsync(log.fileno())
-        finished.clear()
-      for leaf in job.leaves:
-        name = param_name(leaf)
-        if name in done:
-          progress(sum(source.infos[n].nbytes for s in leaf.slots for n in s.names))
-          continue
-        store = storage_dtype(leaf, np.dtype(job.dtype))
-        spec = _write_spec(stage.parts, job.part, leaf, store)
-        t = ts.open(ts.Spec(spec), create=True, open=True, context=ctx).result()
-        write_leaf(t, leaf, source, store, progress)
-        del t
-        finished.append(name)
-        written += 1
-        unsynced += leaf_nbytes(leaf, store)
-        if unsynced >= SYNC_BYTES:
-          record()
-          unsynced = 0
-      record()
+    written, unsynced, finished, synced = 0, 0, [], None
+
+    def record(names):   # data on disk first, then the names that say so
+      _sync_tree(stage.part_db(job.part))
+      log.write("".join(n + "\n" for n in names))
+      log.flush()
+      os.fsync(log.fileno())
+
+    for leaf in job.leaves:
+      name = param_name(leaf)
+      if name in done:
+        progress(sum(source.infos[n].nbytes for s in leaf.slots for n in s.names))
+        continue
+      store = storage_dtype(leaf, np.dtype(job.dtype))
+      spec = _write_spec(stage.parts, job.part, leaf, store)
+      t = ts.open(ts.Spec(spec), create=True, open=True, context=ctx).result()
+      write_leaf(t, leaf, source, store, progress)
+      del t
+      finished.append(name)
+      written += 1
+      unsynced += leaf_nbytes(leaf, store)
+      if unsynced >= SYNC_BYTES:
+        # Synced in the background while the next leaves are converted (one sync at a time).
+        if synced is not None:
+          synced.result()
+        synced = syncer.submit(record, finished)
+        finished, unsynced = [], 0
+    if synced is not None:
+      synced.result()
+    record(finished)
     (stage.done / f"p{job.part}.complete").touch()
   return written
 
