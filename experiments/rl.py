@@ -5,7 +5,8 @@ python -m experiments.rl --config=configs/rl_tiny.py --policy=CKPT \
     --teachers=arith:low=CKPT_A,sort:high=CKPT_B --out=runs/rl
 
 Teachers are k3jax checkpoints of any config sharing the policy's vocabulary; prompts without
-a teacher get no MOPD term. Writes OUT/metrics.jsonl (one line per round), OUT/summary.json
+a teacher get no MOPD term. --config.mesh.{data,fsdp,expert,...} shard the policy update over
+a device mesh as in pre-training (experiments/train.py). Writes OUT/metrics.jsonl (one line per round), OUT/summary.json
 and, with --save, the final policy as a checkpoint under OUT/policy.
 """
 
@@ -54,6 +55,7 @@ def main(argv):
   from k3jax.rl import loop
   from k3jax.rl.rewards import Teachers
   from k3jax.train.checkpoint import load_pretrained, save_pretrained
+  from k3jax.train.sharded import run_mesh
 
   cfg = _CONFIG.value
   config, variables = load_pretrained(_POLICY.value)
@@ -61,7 +63,8 @@ def main(argv):
   spec = parse_teachers(_TEACHERS.value)
   if spec:
     teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.vocab_size)
-  history, state = loop.run(cfg, config, variables, teachers=teachers, out_dir=_OUT.value)
+  history, state = loop.run(cfg, config, variables, teachers=teachers, out_dir=_OUT.value,
+                            mesh=run_mesh(cfg))
   if _SAVE.value:
     save_pretrained(pathlib.Path(_OUT.value) / "policy", loop.policy_config(cfg, config),
                     state.variables,

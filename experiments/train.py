@@ -45,19 +45,6 @@ _KEEP_ALLOCS = flags.DEFINE_bool(
     "(one arena for all of XLA's threads), unlike the KDA op benchmark (faster).")
 
 
-def run_mesh(cfg):
-  """The mesh cfg.mesh asks for, or None when the run is single-device (a one-device mesh when
-  `optim.offload_momentum` asks for host memory: that needs explicit shardings)."""
-  from k3jax import sharding
-  mesh_cfg = cfg.get("mesh")
-  offload = bool(cfg.optim.get("offload_momentum", False))
-  if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)) and not offload:
-    return None
-  mesh = sharding.make_mesh(mesh_cfg)
-  logging.getLogger("k3jax.train").info("mesh %s", dict(mesh.shape))
-  return mesh
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -71,6 +58,7 @@ def main(argv):
   if _MULTIHOST.value:
     from k3jax import sharding
     sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from k3jax.train.sharded import run_mesh
   from k3jax.train.trainer import train
   records = train(_CONFIG.value, _WORKDIR.value, mesh=run_mesh(_CONFIG.value))
   if records:

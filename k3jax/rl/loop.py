@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax import sharding
 from k3jax.config import ModelConfig
 from k3jax.quant import qat
 from k3jax.rl import logprobs as lp_lib
@@ -38,7 +39,7 @@ from k3jax.rl.partial import PartialRollout
 from k3jax.rl.rewards import Teachers, TauSchedule, apply_budget, budget_violations, task_rewards
 from k3jax.rl.tasks import STOP_TOKEN, Task, TaskSampler, decode
 from k3jax.rl.update import make_rl_step
-from k3jax.train.sharded import optimizer
+from k3jax.train.sharded import optimizer, run_rules
 from k3jax.train.step import TrainState
 
 
@@ -120,9 +121,11 @@ def _write_json(path: pathlib.Path, obj) -> None:
 
 def run(cfg, config: ModelConfig, variables: dict, *, teachers: Teachers | None = None,
         out_dir: str | os.PathLike | None = None, log: Callable[[str], None] | None = print,
-        limit_fn: Callable | None = None) -> tuple[list[dict], TrainState]:
+        limit_fn: Callable | None = None, mesh=None) -> tuple[list[dict], TrainState]:
   """Run cfg.rl.rounds rounds from `variables` (module doc). Returns (per-round metrics, the
-  final state). `limit_fn(task, rng)` caps each trajectory's length (default max_new_tokens)."""
+  final state). `limit_fn(task, rng)` caps each trajectory's length (default max_new_tokens).
+  `mesh`: the policy update runs sharded over it as pre-training does (`make_rl_step`; the
+  rules of `cfg.mesh`), and rollouts run on the sharded policy; None: one device."""
   validate(cfg)
   config = policy_config(cfg, config)
   r = cfg.rl
@@ -137,8 +140,11 @@ def run(cfg, config: ModelConfig, variables: dict, *, teachers: Teachers | None 
   tx, _ = optimizer(cfg, config)
   state = TrainState(step=jnp.zeros([], jnp.int32), params=variables["params"],
                      balance=variables["balance"], opt_state=tx.init(variables))
+  if mesh is not None:   # every update batch is a multiple of the N·K rollout slots
+    sharding.check_shapes(config, mesh, batch_size=r.n_prompts * r.k, seq_len=width)
   step_fn = make_rl_step(config, tx, lcfg, temperature=float(r.temperature),
-                         qk_clip_tau=cfg.optim.qk_clip_tau)
+                         qk_clip_tau=cfg.optim.qk_clip_tau, mesh=mesh,
+                         rules=run_rules(cfg) if mesh is not None else None)
   sampler = TaskSampler(tuple(r.domains), tuple(r.efforts), seed=cfg.seed)
   pool = PartialRollout(sampler, n_prompts=r.n_prompts, k=r.k, lam=float(r.lam),
                         max_new_tokens=r.max_new_tokens, width=width, stop_tokens=[STOP_TOKEN],

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from k3jax import sharding
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.rl.logprobs import response_logprobs
@@ -30,8 +31,11 @@ BATCH_KEYS = ("seqs", "prompt_lens", "mask", "behaviour_lp", "adv", "teacher_lp"
 
 def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
                  loss_cfg: LossConfig, *, temperature: float = 1.0,
-                 qk_clip_tau: float | None = 100.0):
-  """The jitted RL step (module doc); the state is donated."""
+                 qk_clip_tau: float | None = 100.0, mesh=None, rules=None):
+  """The RL step (module doc), the state donated: `jax.jit` on one device, or with a `mesh`
+  a `k3jax.train.sharded.ShardedStep` — the state sharded by the logical-axis `rules` (default
+  `sharding.axis_rules()`) as in pre-training, the batch split over the batch axes, the
+  gradients pinned to the params' shardings."""
 
   def loss_fn(params, balance, batch):
     logits, mut = K3Model(config).apply({"params": params, "balance": balance}, batch["seqs"],
@@ -48,6 +52,8 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
     (loss, (aux, lp, stats)), grads = jax.value_and_grad(
         loss_fn, has_aux=True, allow_int=True)(state.params, state.balance, batch)
     grads = integer_grads_to_zeros(grads)
+    if grad_sh is not None:
+      grads = sharding.constrain_like_params(grads, grad_sh)
     zero_b = jax.tree.map(jnp.zeros_like, state.balance)
     updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,
                                    state.variables, stats=stats)
@@ -58,4 +64,13 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
     return TrainState(step=state.step + 1, params=params, balance=new["balance"],
                       opt_state=opt_state), metrics
 
-  return jax.jit(step, donate_argnums=0)
+  if mesh is None:
+    grad_sh = None
+    return jax.jit(step, donate_argnums=0)
+  from k3jax.train import sharded
+  boxed = sharded.logical_variables(config)
+  abstract = sharded.abstract_state(config, tx, boxed)
+  state_sh = sharded.train_state_shardings(mesh, abstract, boxed,
+                                           sharding.axis_rules() if rules is None else rules)
+  grad_sh = state_sh.params
+  return sharded.ShardedStep(step, mesh, state_sh, abstract)

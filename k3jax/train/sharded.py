@@ -184,6 +184,20 @@ def run_rules(cfg) -> tuple[tuple[str, Any], ...]:
       else False)
 
 
+def run_mesh(cfg) -> Mesh | None:
+  """The mesh `cfg.mesh` asks for (`sharding.uses_mesh`), or None when the run is
+  single-device (a one-device mesh when `optim.offload_momentum` asks for host memory: that
+  needs explicit shardings). Used by experiments/train.py and experiments/rl.py."""
+  import logging
+  mesh_cfg = cfg.get("mesh")
+  offload = bool(cfg.optim.get("offload_momentum", False))
+  if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)) and not offload:
+    return None
+  mesh = sharding.make_mesh(mesh_cfg)
+  logging.getLogger("k3jax.train").info("mesh %s", dict(mesh.shape))
+  return mesh
+
+
 def mesh_rules(cfg, config: ModelConfig, mesh: Mesh, rules=None) -> tuple:
   """Check the run's micro-batch and sequence length against `mesh`; the sharding rules
   (`rules`, default `run_rules(cfg)`). Shared by `build_step` and the LoRA step
@@ -234,5 +248,5 @@ def build_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
 
 
 __all__ = ["opt_state_shardings", "train_state_shardings", "logical_variables",
-           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "mesh_rules",
+           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "run_mesh", "mesh_rules",
            "build_step"]
