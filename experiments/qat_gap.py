@@ -20,7 +20,9 @@ docs/notes/qat.md). Each final checkpoint is then evaluated on the held-out batc
 
 All losses are mean cross-entropy in nats/token over the same `--eval_batches` held-out
 batches, dropless MoE (`ModelConfig.for_inference`). `--data` is the run config's
-`data.source` (default: the embedded pre-training corpus; any source k3jax.train.data reads).
+`data.source` (default: the embedded pre-training corpus; any source k3jax.train.data reads;
+`sft` with configs/sft_small.py: the embedded chat tasks, losses on assistant tokens of
+held-out conversations — the gap after SFT).
 A JSON object goes to --out (written to a temporary file and renamed) and to stdout.
 """
 
@@ -126,9 +128,13 @@ def run(cfg, workdir: str, data: str = "stdlib", eval_batches: int = 4) -> dict:
   base.train.tensorboard = False
   base.train.progress = False
   config0 = trainer.model_config(base)
-  corpus = data_lib.load_corpus(data, base.data.eval_percent, config0.vocab_size)
-  batches = data_lib.eval_batches(corpus, eval_batches, base.train.batch_size,
-                                  base.train.seq_len, base.seed)
+  if data == trainer.SFT:   # held-out conversations, loss on assistant tokens
+    from k3jax.train import sft
+    _, batches = sft.make_data(base, eval_batches)
+  else:
+    corpus = data_lib.load_corpus(data, base.data.eval_percent, config0.vocab_size)
+    batches = data_lib.eval_batches(corpus, eval_batches, base.train.batch_size,
+                                    base.train.seq_len, base.seed)
   if not batches:
     raise ValueError(f"data: source {data!r} has too little held-out text for "
                      f"seq_len={base.train.seq_len}")

@@ -200,9 +200,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   `mtp_seed`), reported through `log` and in `dst/conversion.json`.
   check_only: read config.json, the index and every shard's header (no tensor data), report
   every problem (ValueError) or log a summary; nothing is written and `dst` is not used.
-  workers: processes converting at once (1: this process); the leaves are split into
-  `process_count × workers` parts (`k3jax.convert.streaming`), each written straight into the
-  checkpoint by one worker.
+  workers: processes converting at once (1: this process, plus workers − 1 spawned); the
+  leaves are split into parts (`process_count × workers`, × PARTS_PER_WORKER when workers > 1;
+  fixed when the conversion starts), each written straight into the checkpoint by one worker
+  (`k3jax.convert.streaming`).
   process_index, process_count: process i of n (one per host, `dst` on a filesystem all of
   them see) converts parts k ≡ i (mod n); process 0 then waits for the others' parts
   (`wait_timeout_s`, None: forever) and saves the checkpoint. The others return None.

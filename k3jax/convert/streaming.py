@@ -374,6 +374,9 @@ def wait_for_parts(stage: Stage, n_parts: int, log: Callable[[str], None],
   """Block until every part is complete (other hosts write theirs)."""
   t0, said = time.monotonic(), -1
   while True:
+    if not stage.plan.exists():
+      raise RuntimeError(f"{str(stage.root)!r} was removed while waiting for the other "
+                         "processes' parts: one of them failed (see its output)")
     missing = [k for k in range(n_parts) if not stage.complete(k)]
     if not missing:
       return

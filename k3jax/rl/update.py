@@ -36,6 +36,14 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
   a `k3jax.train.sharded.ShardedStep` — the state sharded by the logical-axis `rules` (default
   `sharding.axis_rules()`) as in pre-training, the batch split over the batch axes, the
   gradients pinned to the params' shardings."""
+  grad_sh = state_sh = abstract = None
+  if mesh is not None:
+    from k3jax.train import sharded
+    boxed = sharded.logical_variables(config)
+    abstract = sharded.abstract_state(config, tx, boxed)
+    state_sh = sharded.train_state_shardings(mesh, abstract, boxed,
+                                             sharding.axis_rules() if rules is None else rules)
+    grad_sh = state_sh.params
 
   def loss_fn(params, balance, batch):
     logits, mut = K3Model(config).apply({"params": params, "balance": balance}, batch["seqs"],
@@ -52,8 +60,7 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
     (loss, (aux, lp, stats)), grads = jax.value_and_grad(
         loss_fn, has_aux=True, allow_int=True)(state.params, state.balance, batch)
     grads = integer_grads_to_zeros(grads)
-    if grad_sh is not None:
-      grads = sharding.constrain_like_params(grads, grad_sh)
+    grads = sharding.constrain_like_params(grads, grad_sh)   # None: unchanged
     zero_b = jax.tree.map(jnp.zeros_like, state.balance)
     updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,
                                    state.variables, stats=stats)
@@ -65,12 +72,5 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
                       opt_state=opt_state), metrics
 
   if mesh is None:
-    grad_sh = None
     return jax.jit(step, donate_argnums=0)
-  from k3jax.train import sharded
-  boxed = sharded.logical_variables(config)
-  abstract = sharded.abstract_state(config, tx, boxed)
-  state_sh = sharded.train_state_shardings(mesh, abstract, boxed,
-                                           sharding.axis_rules() if rules is None else rules)
-  grad_sh = state_sh.params
   return sharded.ShardedStep(step, mesh, state_sh, abstract)
