@@ -24,15 +24,14 @@ def merge_checkpoint(base: str, adapters: str, dst: str):
   """Merge the adapters in `adapters` into the checkpoint `base` and save it at `dst`.
   Returns (merged ModelConfig, the step directory written)."""
   from k3jax.train.checkpoint import config_diff, load_pretrained, save_pretrained
-  from k3jax.train.lora import load_adapters, merge_adapters
+  from k3jax.train.lora import load_adapters, merge_adapters, without_adapters
 
   base_config, variables = load_pretrained(base)
   config, lora = load_adapters(adapters)
   # The adapters fit the base when the models agree on everything but the adapters and the
   # experts' storage (adapters trained on a packed base merge into a bf16 one and back).
-  strip = dict(lora_rank=0, lora_alpha=16.0, lora_targets=("q", "k", "v", "o"),
-               expert_format="bf16")
-  diff = config_diff(config.replace(**strip), base_config.replace(**strip))
+  diff = config_diff(without_adapters(config).replace(expert_format="bf16"),
+                     without_adapters(base_config).replace(expert_format="bf16"))
   if diff:
     raise ValueError(f"--adapters {adapters!r} were trained for another model than --base "
                      f"{base!r}; differing fields (adapters, base): {diff}")

@@ -265,7 +265,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     log("the vision tower is skipped (--skip_prefix): converting the text model alone")
     config = config.replace(vision=None, media_placeholder_token_id=None)
   text_prefix = N.detect_text_prefix(infos)
-  leaves = N.leaves(config, arch, text_prefix=text_prefix)
+  # The source's routed experts: MXFP4 pairs when config.json says so (the release), else
+  # unquantised (Kimi Linear; a K3 export with --expert_format bf16).
+  source_experts = hf_config.check_quantization_config(d) or "bf16"
+  if config.expert_format == "mxfp4" and source_experts != "mxfp4":
+    raise ValueError("--expert_format mxfp4 keeps the source's MXFP4 bytes, but its "
+                     "config.json has no quantization_config: its experts are unquantised "
+                     "(convert with --expert_format bf16)")
+  leaves = N.leaves(config, arch, source_experts, text_prefix=text_prefix)
   mtp_names = {n for leaf in leaves if N.is_mtp(leaf) for s in leaf.slots for n in s.names}
   new_mtp = bool(mtp_names) and not any(n in infos for n in mtp_names)
   if new_mtp:   # the release: no MTP tensors at all (some but not all is a `missing` error)

@@ -22,6 +22,7 @@ Shardings under a mesh: the adapters carry their base kernel's logical axes
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from typing import Any, Callable, Sequence
@@ -59,6 +60,16 @@ def check_config(config: ModelConfig) -> None:
   if config.lora_rank <= 0:
     raise ValueError(f"ModelConfig.lora_rank: LoRA training needs lora_rank > 0, found "
                      f"{config.lora_rank}")
+
+
+ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+
+
+def without_adapters(config: ModelConfig) -> ModelConfig:
+  """`config` with its adapter fields at their defaults: the model a base checkpoint for it
+  holds (a base is compared with a LoRA run's config through this)."""
+  return config.replace(**{f.name: f.default for f in dataclasses.fields(ModelConfig)
+                           if f.name in ADAPTER_FIELDS})
 
 
 def _model(config: ModelConfig):

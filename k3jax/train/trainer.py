@@ -355,7 +355,7 @@ def _lora_state(cfg, config: ModelConfig, rng, tx):
   path = cfg.train.lora.get("base", "")
   if path:
     base_config, base = load_pretrained(path)
-    diff = config_diff(config.replace(lora_rank=0), base_config.replace(lora_rank=0))
+    diff = config_diff(lora_lib.without_adapters(config), lora_lib.without_adapters(base_config))
     if diff:
       raise ValueError(f"config.train.lora.base: {path!r} holds another model; differing "
                        f"fields (run, checkpoint): {diff}")

@@ -1,0 +1,66 @@
+"""LoRA from the command lines, end to end: `experiments.train --config.train.lora.*` trains
+adapters on a saved base, `tools.merge_lora --export_dir` folds them in and exports the release
+layout, and that export converts back to exactly the merged checkpoint. The merge's numerics:
+tests/train/test_lora.py."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from convert_helpers import flat
+from k3jax.convert import convert
+from k3jax.train import lora as L
+from k3jax.train import trainer
+from k3jax.train.checkpoint import load_pretrained, save_pretrained
+from k3jax.train.step import init_variables
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> str:
+  r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                     timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+  return r.stdout + r.stderr
+
+
+def test_train_lora_merge_and_export(tmp_path):
+  cfg = trainer.base_config("tiny")
+  cfg.model.num_mtp_layers = 0
+  base_config = trainer.model_config(cfg)
+  save_pretrained(tmp_path / "base", base_config, init_variables(base_config,
+                                                                 jax.random.PRNGKey(1)))
+  text = tmp_path / "corpus.txt"
+  text.write_text("".join(f"line {i}: the adapters learn, the base stays.\n" for i in range(400)))
+  _run("experiments.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+       "--config.model.num_mtp_layers=0", "--config.train.lora.rank=2",
+       "--config.train.lora.targets=q,o,experts", f"--config.train.lora.base={tmp_path / 'base'}",
+       "--config.train.steps=2", "--config.train.batch_size=2", "--config.train.seq_len=32",
+       "--config.train.eval_every=0", "--config.train.progress=False",
+       "--config.train.tensorboard=False", "--config.train.peak_flops=1e12",
+       f"--config.data.source={text}")
+  config, adapters = L.load_adapters(tmp_path / "run" / "adapters")
+  assert config.lora_rank == 2 and set(config.lora_targets) == {"q", "o", "experts"}
+  assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters))   # trained
+  log = _run("tools.merge_lora", f"--base={tmp_path / 'base'}",
+             f"--adapters={tmp_path / 'run' / 'adapters'}", f"--dst={tmp_path / 'merged'}",
+             f"--export_dir={tmp_path / 'export'}", "--expert_format=bf16", "--dtype=float32")
+  assert "exported" in log
+  merged_config, merged = load_pretrained(tmp_path / "merged")
+  assert merged_config.lora_rank == 0
+  base = dict(flat(load_pretrained(tmp_path / "base")[1]))
+  changed = {"/".join(k) for k, v in flat(merged) if not np.array_equal(v, base[k])}
+  assert changed and not [k for k in changed if "embed" in k or "lm_head" in k], changed
+  assert any("experts" in k for k in changed) and any("o_proj" in k for k in changed)
+  # The export is the merged model: converting it back gives every tensor bit for bit.
+  convert(tmp_path / "export", tmp_path / "back", progress=False, log=lambda s: None)
+  _, back = load_pretrained(tmp_path / "back")
+  want = dict(flat(merged))
+  got = dict(flat(back))
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg="/".join(k))
