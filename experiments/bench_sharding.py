@@ -39,7 +39,10 @@ abstract state on an AbstractMesh (`k3jax.train.lora.build_lora_step`: no compil
 devices): base weights, adapters, optimizer state. It is a lower bound of the compiled peak —
 activations, gradients and temporaries are not in it; with libtpu installed the part "memory"
 route (deviceless TPU compile) gives those, this part does not compile. "smallest_fit" is the
-smallest slice whose state leaves at least `QLORA_HEADROOM_GIB` of the 95 GiB free.
+smallest slice whose state leaves at least `QLORA_HEADROOM_GIB` of the 95 GiB free. With
+--qlora_compile (libtpu) the LoRA train step is also lowered and compiled for the slice's
+compile-only TPU devices: its peak (arguments + outputs − aliases + temporaries) decides "fits",
+and a plan over the chip's HBM is XLA's refusal, reported.
 
 Part "ep": on N simulated CPU devices (--ep_devices, default 8), the `small` preset's jitted
 train step with experts sharded over `expert` (all_to_all dispatch) vs. the same step with
@@ -59,6 +62,8 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part inference          # k3, packed experts
   .venv/bin/python experiments/bench_sharding.py --part inference --devices 32 --num_layers 9
   .venv/bin/python experiments/bench_sharding.py --part qlora              # k3 QLoRA state
+  PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part qlora \
+      --devices 32 --qlora_compile                                    # + compiled peak
   --out FILE writes the JSON object too; the last printed line is that JSON.
 """
 
@@ -330,9 +335,12 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
 
 
 def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
-               seq_len: int) -> dict:
-  """Per-chip bytes of the k3 QLoRA training state (module doc, part "qlora")."""
+               seq_len: int, compile_step: bool = False, num_layers: int | None = None) -> dict:
+  """Per-chip bytes of the k3 QLoRA training state (module doc, part "qlora"); with
+  `compile_step` also the compiled peak of the LoRA train step on the slice's compile-only TPU
+  devices (libtpu), or XLA's refusal when it does not fit."""
   import jax
+  import jax.numpy as jnp
 
   from k3jax import sharding
   from k3jax.config import preset
@@ -340,10 +348,13 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
   from k3jax.train import trainer
 
   layout = INFERENCE_RECIPES[num_devices]["layout"]
-  mesh = sharding.abstract_mesh(layout, num_devices)
+  topology = INFERENCE_RECIPES[num_devices]["topology"]
+  mesh = (sharding.make_mesh(layout, devices=tpu_devices(topology, num_devices)) if compile_step
+          else sharding.abstract_mesh(layout, num_devices))
   config = preset("k3", dtype="bfloat16", param_dtype="bfloat16", remat=True, scan_layers=True,
                   moe_capacity_factor=1.25, kernel_backend="xla", expert_format="mxfp4",
-                  lora_rank=lora_rank, lora_targets=tuple(lora_targets))
+                  lora_rank=lora_rank, lora_targets=tuple(lora_targets),
+                  **({"num_layers": num_layers} if num_layers else {}))
   cfg = trainer.base_config("tiny")
   cfg.train.batch_size = sharding.axis_size(mesh, sharding.BATCH_AXES)   # one sequence each
   cfg.train.seq_len = seq_len
@@ -353,8 +364,36 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
   gib = 2.0 ** 30
   total = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) / gib  # noqa
   per_chip = _shard_gib(state, sh)
+  compiled = {"compiled": False}
+  if compile_step:
+    b = cfg.train.batch_size
+    batch = {k: jax.ShapeDtypeStruct((b, seq_len), jnp.int32)
+             for k in ("inputs", "targets", "segment_ids", "mtp_targets")}
+    batch.update({k: jax.ShapeDtypeStruct((b, seq_len), jnp.float32)
+                  for k in ("loss_mask", "mtp_mask")})
+    t0 = time.perf_counter()
+    lowered = step.train.lower(state, batch)
+    t1 = time.perf_counter()
+    try:
+      ma = lowered.compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001 - XLA:TPU refuses a plan over the chip's HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      msg = [l for l in str(e).splitlines() if "RESOURCE_EXHAUSTED" in l][-1].strip()
+      compiled = dict(compiled=True, error=msg, peak_gib=None, lower_s=t1 - t0,
+                      compile_s=time.perf_counter() - t1)
+    else:
+      peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+              + ma.temp_size_in_bytes)
+      compiled = dict(compiled=True, argument_gib=ma.argument_size_in_bytes / gib,
+                      output_gib=ma.output_size_in_bytes / gib,
+                      alias_gib=ma.alias_size_in_bytes / gib,
+                      temp_gib=ma.temp_size_in_bytes / gib, peak_gib=peak / gib,
+                      lower_s=t1 - t0, compile_s=time.perf_counter() - t1)
+  fits = (compiled["peak_gib"] is not None and compiled["peak_gib"] <= V5P_HBM_GIB
+          if compiled["compiled"] else per_chip + QLORA_HEADROOM_GIB <= V5P_HBM_GIB)
   return dict(part="qlora", preset="k3", devices=num_devices, layout=layout,
-              topology=INFERENCE_RECIPES[num_devices]["topology"],
+              topology=topology, num_layers=config.num_layers,
               param_axes=list(PARAM_AXES), expert_format=config.expert_format,
               param_dtype=config.param_dtype, lora_rank=lora_rank,
               lora_targets=list(lora_targets), seq_len=seq_len,
@@ -366,8 +405,7 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
                                              (sh.params, sh.balance)),
               adapter_gib_per_device=_shard_gib(state.lora, sh.lora),
               opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
-              state_gib_per_device=per_chip,
-              fits=per_chip + QLORA_HEADROOM_GIB <= V5P_HBM_GIB, compiled=False)
+              state_gib_per_device=per_chip, fits=fits, **compiled)
 
 
 def ep_layouts(n: int) -> dict:
@@ -473,12 +511,18 @@ def _print(r: dict) -> None:
           f"adapter params), {r['devices']} chips ({r['topology']}), layout {r['layout']}: "
           f"per chip base {r['base_gib_per_device']:.2f} GiB + adapters "
           f"{r['adapter_gib_per_device']:.3f} GiB + AdamW {r['opt_gib_per_device']:.3f} GiB = "
-          f"{r['state_gib_per_device']:.2f} GiB ({'fits' if r['fits'] else 'does not fit'} "
-          f"{V5P_HBM_GIB:.0f} GiB with {QLORA_HEADROOM_GIB:.0f} GiB left for activations; "
-          f"state only, not compiled)")
+          f"{r['state_gib_per_device']:.2f} GiB"
+          + (f"; compiled step: {r['error']}" if r.get("error") else
+             f"; compiled step peak {r['peak_gib']:.2f} GiB (arguments {r['argument_gib']:.2f}"
+             f" + temporaries {r['temp_gib']:.2f}; compile {r['compile_s']:.0f} s), "
+             f"{'fits' if r['fits'] else 'does not fit'} {V5P_HBM_GIB:.0f} GiB"
+             if r["compiled"] else
+             f" ({'fits' if r['fits'] else 'does not fit'} {V5P_HBM_GIB:.0f} GiB with "
+             f"{QLORA_HEADROOM_GIB:.0f} GiB left for activations; state only, not compiled)"))
   elif r["part"] == "qlora_summary":
-    print(f"smallest v5p slice tried whose k3 QLoRA state leaves {QLORA_HEADROOM_GIB:.0f} GiB "
-          f"free: {r['smallest_fit'] or 'none of ' + str(r['tried'])} chips")
+    print(f"smallest v5p slice tried that holds k3 QLoRA (compiled peak, or state + "
+          f"{QLORA_HEADROOM_GIB:.0f} GiB): {r['smallest_fit'] or 'none of ' + str(r['tried'])} "
+          "chips")
   elif r["part"] == "state":
     print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
           f"{'+'.join(r['param_axes'])}, kernels {r['param_dtype']}, first moments "
@@ -513,6 +557,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        **fv)
   flags.DEFINE_string("lora_targets", ",".join(QLORA_RECIPE["lora_targets"]),
                       "qlora part: LoRA targets, comma-separated", **fv)
+  flags.DEFINE_bool("qlora_compile", False, "qlora part: also compile the LoRA train step for "
+                    "the slice's TPU topology (deviceless, needs libtpu) and report its peak",
+                    **fv)
   flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference", "qlora"],
                     "what to measure ('all' = memory + state + ep)", **fv)
   flags.DEFINE_integer("inf_batch", 64, "inference part: sequences", **fv)
@@ -655,7 +702,8 @@ def run(a: flags.FlagValues) -> None:
   if a.part == "qlora":
     targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip())
     tried = [a.devices] if a.devices else sorted(INFERENCE_RECIPES)
-    rows = [qlora_part(n, a.lora_rank, targets, a.seq_len or QLORA_RECIPE["seq_len"])
+    rows = [qlora_part(n, a.lora_rank, targets, a.seq_len or QLORA_RECIPE["seq_len"],
+                       compile_step=a.qlora_compile, num_layers=a.num_layers or None)
             for n in tried]
     results += rows
     fits = [r["devices"] for r in rows if r["fits"]]

@@ -233,8 +233,9 @@ def plot(out: pathlib.Path, block: int = 60) -> None:
   fig, ax = plt.subplots(figsize=(7, 4))
   for path in runs:
     r = json.loads(path.read_text())
-    acc = np.array([h["accuracy"] for h in r["rounds"]])
-    n = np.array([h["trained"] for h in r["rounds"]])
+    # A round that finished no group trains nothing (no accuracy): weight 0.
+    acc = np.array([h.get("accuracy", 0.0) for h in r["rounds"]])
+    n = np.array([h.get("trained", 0) for h in r["rounds"]])
     x, mean, err = [], [], []
     for i in range(0, len(acc) - block + 1, block):
       hits, total = float((acc[i:i + block] * n[i:i + block]).sum()), float(n[i:i + block].sum())
