@@ -1,0 +1,76 @@
+"""How the compiled LoRA train step's temporaries grow with the frozen routed experts (CPU).
+
+  python -m experiments.qlora_temps [--out FILE.json]
+
+A diagnostic for the k3 QLoRA compile that XLA:TPU refuses (docs/notes/lora.md): a tiny model
+(LoRA on q and o only, experts frozen), scanned and rematerialised as the recipe is, its LoRA
+step lowered from abstract values and compiled for this CPU, `memory_analysis()` temporaries
+read for 16 and 64 experts at two depths and both expert formats. If one layer's experts were
+alive at a time, the temporaries would grow by about one layer's expert bytes from 16 to 64
+experts; the JSON's `expert_bytes_all_layers_delta` is what every layer's take (bf16).
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "also write the JSON here")
+
+F, D = 256, 128    # expert width and (latent) input width
+
+
+def temps(num_layers: int, num_experts: int, expert_format: str) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  from k3jax.config import preset
+  from k3jax.train import lora as L
+  from k3jax.train import trainer
+  c = preset("tiny", num_layers=num_layers, num_experts=num_experts, expert_format=expert_format,
+             moe_intermediate_size=F, latent_moe_dim=D, lora_rank=2, lora_targets=("q", "o"),
+             remat=True, scan_layers=True, num_mtp_layers=0, dtype="bfloat16",
+             param_dtype="bfloat16", moe_capacity_factor=1.25, kernel_backend="xla")
+  cfg = trainer.base_config("tiny")
+  cfg.train.batch_size, cfg.train.seq_len, cfg.train.mtp_weight = 2, 64, 0.0
+  step = L.build_lora_step(cfg, c, None)
+  state = L.abstract_state(c, step.tx)
+  batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32)
+           for k in ("inputs", "targets", "segment_ids", "mtp_targets")}
+  batch.update({k: jax.ShapeDtypeStruct((2, 64), jnp.float32) for k in ("loss_mask", "mtp_mask")})
+  ma = step.train.lower(state, batch).compile().memory_analysis()
+  moe_layers = num_layers - c.first_dense_layers
+  return dict(num_layers=num_layers, stack_layout=list(c.stack_layout()),
+              num_experts=num_experts, expert_format=expert_format,
+              temp_bytes=int(ma.temp_size_in_bytes),
+              expert_bytes_all_layers=moe_layers * num_experts * 3 * F * D * 2)
+
+
+def main(argv):
+  del argv
+  rows = [temps(n, e, fmt) for fmt in ("mxfp4", "bf16") for n in (5, 9) for e in (16, 64)]
+  out = []
+  for a, b in zip(rows[0::2], rows[1::2]):
+    out.append(dict(expert_format=a["expert_format"], num_layers=a["num_layers"],
+                    stack_layout=a["stack_layout"], temp_bytes_16=a["temp_bytes"],
+                    temp_bytes_64=b["temp_bytes"],
+                    temp_delta=b["temp_bytes"] - a["temp_bytes"],
+                    expert_bytes_all_layers_delta=(b["expert_bytes_all_layers"]
+                                                   - a["expert_bytes_all_layers"])))
+  for r in out:
+    print(f"{r['expert_format']:>5} experts, {r['num_layers']} layers {r['stack_layout']}: "
+          f"temporaries +{r['temp_delta'] / 2**20:.1f} MiB from 16 to 64 experts; every "
+          f"layer's expert bytes +{r['expert_bytes_all_layers_delta'] / 2**20:.1f} MiB")
+  blob = json.dumps({"rows": out})
+  if FLAGS.out:
+    with open(FLAGS.out + ".tmp", "w") as f:
+      f.write(blob + "\n")
+    import os
+    os.replace(FLAGS.out + ".tmp", FLAGS.out)
+  print(blob)
+
+
+if __name__ == "__main__":
+  app.run(main)
