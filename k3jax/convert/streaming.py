@@ -459,7 +459,7 @@ def save(stage: Stage, config, written: list[N.Leaf], dtype: np.dtype, n_parts: 
   variables: dict = {"params": {}, "balance": {}}
   for leaf in written:
     _set(variables[leaf.collection], leaf.path,
-             placeholder(leaf.shape, storage_dtype(leaf, dtype)))
+         placeholder(leaf.shape, storage_dtype(leaf, dtype)))
   for coll, tree in in_memory.items():
     variables[coll].update(tree)
   if not variables["balance"]:

@@ -1,7 +1,7 @@
-"""LoRA from the command lines, end to end: `experiments.train --config.train.lora.*` trains
-adapters on a saved base, `tools.merge_lora --export_dir` folds them in and exports the release
-layout, and that export converts back to exactly the merged checkpoint. The merge's numerics:
-tests/train/test_lora.py."""
+"""LoRA end to end: a run with `train.lora.*` (the fields `experiments.train --config.train.lora.*`
+sets) trains adapters on a saved base, the `tools.merge_lora --export_dir` command folds them in
+and exports the release layout, and that export converts back to exactly the merged checkpoint.
+The merge's numerics: tests/train/test_lora.py."""
 
 import os
 import pathlib
@@ -36,13 +36,12 @@ def test_train_lora_merge_and_export(tmp_path):
                                                                  jax.random.PRNGKey(1)))
   text = tmp_path / "corpus.txt"
   text.write_text("".join(f"line {i}: the adapters learn, the base stays.\n" for i in range(400)))
-  _run("experiments.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
-       "--config.model.num_mtp_layers=0", "--config.train.lora.rank=2",
-       "--config.train.lora.targets=q,o,experts", f"--config.train.lora.base={tmp_path / 'base'}",
-       "--config.train.steps=2", "--config.train.batch_size=2", "--config.train.seq_len=32",
-       "--config.train.eval_every=0", "--config.train.progress=False",
-       "--config.train.tensorboard=False", "--config.train.peak_flops=1e12",
-       f"--config.data.source={text}")
+  run = cfg.copy_and_resolve_references()
+  run.train.lora.update(rank=2, targets="q,o,experts", base=str(tmp_path / "base"))
+  run.train.update(steps=2, batch_size=2, seq_len=32, eval_every=0, progress=False,
+                   tensorboard=False, async_checkpoint=False, peak_flops=1e12)
+  run.data.source = str(text)
+  trainer.train(run, str(tmp_path / "run"))
   config, adapters = L.load_adapters(tmp_path / "run" / "adapters")
   assert config.lora_rank == 2 and set(config.lora_targets) == {"q", "o", "experts"}
   assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters))   # trained
