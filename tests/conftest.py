@@ -1,16 +1,30 @@
 """Test-wide settings: 8 simulated CPU devices (set before jax is imported) and a fast,
 deterministic hypothesis profile."""
 
+import atexit
+import importlib.util
 import os
+import shutil
+import tempfile
 import time
 
-# The tests' shapes are tiny, so XLA compilation, not running, is their cost; LLVM's
-# optimisation passes are half of it (a tiny K3's gradient: 21.9 s of CPU to compile at the
-# default level, 11.3 s at level 0). Level 0 changes no numerics: XLA's own HLO passes and
-# emitters, which fix the order of every floating-point operation, run at every level.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0")
+from cli_env import xla_flags  # noqa: E402  (sets nothing; no jax import)
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Many tests build fresh jitted closures of one computation (a tiny model's forward, in several
+# files and in commands run in another interpreter): one compilation cache for the session
+# compiles each once. The process that loads this file first (xdist's controller) makes the
+# directory; its workers and their subprocesses inherit the variable. A size cap turns on
+# jax's lock on the directory (needs filelock), so no process reads another's half-written
+# entry; without filelock there is no shared cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and importlib.util.find_spec("filelock"):
+  _cache = tempfile.mkdtemp(prefix="k3jax-test-jax-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
+                    JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -2,7 +2,6 @@
 meanings and defaults, and one tiny run goes end to end through `app.run` (a subprocess)."""
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -10,9 +9,9 @@ import sys
 import pytest
 from absl import flags
 
+from cli_env import ROOT, cli_env
 from experiments import bench_kda as bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _flags(args):
@@ -72,12 +71,10 @@ def test_flag_values_and_defaults():
 
 def test_tiny_run_as_a_script(tmp_path):
   out = tmp_path / "r.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
   r = subprocess.run(
       [sys.executable, "-m", "experiments.bench_kda", "--sizes", "128x2x16", "--impls",
        "chunked,recurrent", "--repeats", "1", "--json", "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+      cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
   assert result == json.loads(out.read_text())

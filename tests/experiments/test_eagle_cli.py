@@ -1,4 +1,4 @@
-"""experiments/eagle.py end to end on a random 5-layer `tiny` target: the draft trains (its
+"""experiments/eagle.py end to end on a random 3-layer `tiny` target: the draft trains (its
 LK loss falls), both drafts decode exactly plain greedy, the figures and the draft checkpoint
 are written; a bad block index is refused before any work."""
 
@@ -16,7 +16,7 @@ from k3jax.train.checkpoint import load_pretrained, save_pretrained
 
 
 def test_eagle_experiment(tmp_path):
-  cfg = preset("tiny", num_layers=5, mla_every=2)
+  cfg = preset("tiny", num_layers=3, mla_every=2, attn_res_block_size=2)
   v = nn.meta.unbox(K3Model(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
   save_pretrained(tmp_path / "target", cfg, v)
   with pytest.raises(ValueError, match=r"eagle_blocks.*\[7\] out of range"):

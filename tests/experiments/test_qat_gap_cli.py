@@ -2,15 +2,14 @@
 two steps per arm) goes end to end through the CLI (a subprocess) and writes its JSON."""
 
 import json
-import os
 import subprocess
 import sys
 
 from absl import flags
 
+from cli_env import ROOT, cli_env
 from experiments import qat_gap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_documented_command_parses():
@@ -32,9 +31,8 @@ def test_tiny_run_end_to_end(tmp_path):
          "--config.model.num_mtp_layers=0", "--config.train.mtp_weight=0",
          "--config.optim.muon=False", "--config.train.steps=2", "--config.train.batch_size=2",
          "--config.train.seq_len=32", "--config.train.peak_flops=1e12"]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)   # one device, as a user's run
-  res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+  res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=cli_env())   # one device, as a user's run
   assert res.returncode == 0, res.stderr[-3000:]
   r = json.loads(out.read_text())
   assert set(r["arms"]) == {"plain", "qat"} and r["eval_tokens"] == 64

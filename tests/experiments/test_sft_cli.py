@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
+from cli_env import ROOT, cli_env
 from k3jax.train import sft, sft_tasks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--config.model.num_layers=1", "--config.train.steps=2", "--config.train.batch_size=2",
          "--config.train.seq_len=96", "--config.train.log_every=1",
          "--config.train.eval_every=2", "--config.train.eval_batches=1",
@@ -17,14 +17,8 @@ FLAGS = ["--config.model.num_layers=1", "--config.train.steps=2", "--config.trai
          "--config.optim.muon=False", "--config.data.eval_percent=30"]
 
 
-def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)       # one device, as a user's run
-  return env
-
-
 def _run(*args):
-  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=_env(),
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=cli_env(),
                         capture_output=True, text=True, timeout=900)
 
 

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli_env import ROOT, cli_env
+
 FLAGS = ["--config.model.num_layers=2", "--config.model.num_mtp_layers=0", "--config.train.batch_size=4",
          "--config.train.seq_len=32", "--config.train.log_every=1",
          "--config.train.eval_every=0", "--config.train.checkpoint_every=3",
@@ -30,12 +31,9 @@ def _cmd(workdir, steps, *extra):
 
 
 def _env(cache):
-  env = dict(os.environ)
-  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             PYTHONHASHSEED="0")      # same HLO in both processes: the cache hits
-  env.pop("XLA_FLAGS", None)    # one device, as a user's run
-  return env
+  # One device, as a user's run; the same HLO in both processes: the cache hits.
+  return cli_env(JAX_COMPILATION_CACHE_DIR=str(cache),
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONHASHSEED="0")
 
 
 def _records(workdir):

@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli_env import ROOT, cli_env
+
 ARGS = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.batch_size=8",
         "--config.train.seq_len=16", "--config.train.log_every=1",
         "--config.train.eval_every=0", "--config.train.checkpoint_every=3",
@@ -20,12 +21,6 @@ ARGS = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.ba
         "--config.model.num_layers=3", "--config.model.mla_every=2",
         "--config.model.attn_res_block_size=2", "--config.model.num_mtp_layers=0",
         "--config.mesh.data=2", "--config.mesh.expert=4"]
-
-
-def _env(devices):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  return env
 
 
 def _losses(workdir):
@@ -47,10 +42,10 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   procs = [subprocess.Popen(
       cmd + ARGS + [f"--workdir={multi_dir}", "--multihost",
                     f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                    f"--process_id={i}"], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
+                    f"--process_id={i}"], cwd=ROOT, env=cli_env(4), stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True) for i in range(2)]
   single_dir = str(tmp_path / "single")
-  single = subprocess.run(cmd + ARGS + [f"--workdir={single_dir}"], cwd=ROOT, env=_env(8),
+  single = subprocess.run(cmd + ARGS + [f"--workdir={single_dir}"], cwd=ROOT, env=cli_env(8),
                           capture_output=True, text=True, timeout=1500)
   outs = [p.communicate(timeout=1500)[0] for p in procs]
   assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]

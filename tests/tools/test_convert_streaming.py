@@ -3,8 +3,6 @@ give the very checkpoint one process writes; a conversion killed with SIGKILL le
 that loads and resumes where it stopped; a resume with other settings is refused; the result
 loads sharded over a mesh. Throughput and memory: experiments/bench_convert.py."""
 
-import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -13,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from cli_env import ROOT, cli_env
 from convert_helpers import flat, random_variables, write_k3_checkpoint
 from k3jax import sharding
 from k3jax.config import preset
@@ -20,7 +19,6 @@ from k3jax.convert import convert, streaming
 from k3jax.convert import names as N
 from k3jax.train.checkpoint import load_pretrained
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 QUIET = dict(progress=False, log=lambda s: None)
 
 
@@ -43,8 +41,7 @@ def _assert_same(a, b):
 
 def _python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, timeout=timeout,
-                        capture_output=True, text=True,
-                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        capture_output=True, text=True, env=cli_env())
 
 
 def test_workers_and_processes_write_the_same_checkpoint(release, tmp_path):
@@ -59,7 +56,8 @@ def test_workers_and_processes_write_the_same_checkpoint(release, tmp_path):
   other = subprocess.Popen(
       [sys.executable, "-m", "tools.convert_from_pytorch", f"--src={src}", f"--dst={dst}",
        "--expert_format=mxfp4", "--workers=1", "--process_index=1", "--process_count=2",
-       "--noprogress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+       "--noprogress"], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
   logs = []
   assert convert(src, dst, expert_format="mxfp4", workers=1, process_index=0,
                  process_count=2, wait_timeout_s=240, progress=False, log=logs.append) == dst

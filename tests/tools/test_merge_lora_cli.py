@@ -3,14 +3,13 @@ sets) trains adapters on a saved base, the `tools.merge_lora --export_dir` comma
 and exports the release layout, and that export converts back to exactly the merged checkpoint.
 The merge's numerics: tests/train/test_lora.py."""
 
-import os
-import pathlib
 import subprocess
 import sys
 
 import jax
 import numpy as np
 
+from cli_env import ROOT, cli_env
 from convert_helpers import flat
 from k3jax.convert import convert
 from k3jax.train import lora as L
@@ -18,19 +17,18 @@ from k3jax.train import trainer
 from k3jax.train.checkpoint import load_pretrained, save_pretrained
 from k3jax.train.step import init_variables
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 
 def _run(*args: str) -> str:
   r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                     timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                     timeout=600, env=cli_env())
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   return r.stdout + r.stderr
 
 
 def test_train_lora_merge_and_export(tmp_path):
   cfg = trainer.base_config("tiny")
-  cfg.model.num_mtp_layers = 0
+  cfg.model.update(num_layers=3, mla_every=2, attn_res_block_size=2,   # KDA, MLA; MoE
+                   num_mtp_layers=0)
   base_config = trainer.model_config(cfg)
   save_pretrained(tmp_path / "base", base_config, init_variables(base_config,
                                                                  jax.random.PRNGKey(1)))
