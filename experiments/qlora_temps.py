@@ -13,6 +13,7 @@ experts; the JSON's `expert_bytes_all_layers_delta` is what every layer's take (
 from __future__ import annotations
 
 import json
+import os
 
 from absl import app, flags
 
@@ -67,7 +68,6 @@ def main(argv):
   if FLAGS.out:
     with open(FLAGS.out + ".tmp", "w") as f:
       f.write(blob + "\n")
-    import os
     os.replace(FLAGS.out + ".tmp", FLAGS.out)
   print(blob)
 

@@ -213,9 +213,8 @@ def _sharded_target(config: ModelConfig, metadata, mesh: jax.sharding.Mesh) -> d
   """ShapeDtypeStructs of a checkpoint's variables (shapes and dtypes as saved) carrying the
   model's shardings over `mesh`."""
   from k3jax import sharding
-  from k3jax.model import K3Model
-  boxed = jax.eval_shape(lambda: K3Model(config).init(jax.random.key(0),
-                                                      jax.numpy.zeros((1, 2), jax.numpy.int32)))
+  from k3jax.train.sharded import logical_variables   # it imports the model: import late
+  boxed = logical_variables(config)
   shardings = sharding.param_shardings(mesh, {c: boxed[c] for c in metadata if c in boxed})
   return jax.tree.map(lambda m, sh: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sh),
                       {c: dict(metadata[c]) for c in shardings}, shardings)
