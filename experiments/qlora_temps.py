@@ -2,12 +2,13 @@
 
   python -m experiments.qlora_temps [--out FILE.json]
 
-A diagnostic for the k3 QLoRA compile that XLA:TPU refuses (docs/notes/lora.md): a tiny model
+A check for the k3 QLoRA compile that XLA:TPU refuses (docs/notes/lora.md): a tiny model
 (LoRA on q and o only, experts frozen), scanned and rematerialised as the recipe is, its LoRA
 step lowered from abstract values and compiled for this CPU, `memory_analysis()` temporaries
-read for 16 and 64 experts at two depths and both expert formats. If one layer's experts were
-alive at a time, the temporaries would grow by about one layer's expert bytes from 16 to 64
-experts; the JSON's `expert_bytes_all_layers_delta` is what every layer's take (bf16).
+read for 16 and 64 experts at two depths and both expert formats. With one chunk of experts
+dequantised at a time the packed rows' temporaries do not grow with the experts; the JSON's
+`expert_bytes_all_layers_delta` is what every layer's experts take (bf16). The bf16 rows grow
+by two copies of it on this CPU, which has no bf16 matmul and keeps f32 copies of the operands.
 """
 
 from __future__ import annotations

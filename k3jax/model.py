@@ -168,14 +168,21 @@ class LayerGroup(nn.Module):
     return state, (new if cache is not None else None)
 
 
-def _maybe_remat(cls, cfg: ModelConfig, static_argnums=()):
+def _maybe_remat(cls, cfg: ModelConfig, static_argnums=(), scanned: bool = False):
   """`cls` rematerialised in the backward pass when `cfg.remat` — the one remat policy of the
   model, for the scanned groups and for the unrolled prefix / suffix / MTP layers alike
   (otherwise the unrolled layers' saved residuals stay live until the backward pass; the k3
-  memory figures are in docs/notes/sharding.md). `static_argnums` count self as 0."""
+  memory figures are in docs/notes/sharding.md). `static_argnums` count self as 0.
+
+  CSE is prevented unless `scanned` (the body of a rolled `nn.scan`, where a loop already keeps
+  the backward's recomputation apart): outside a loop XLA would merge the recomputation with
+  the forward's identical ops and keep the forward's values alive until the backward — remat
+  in name only (k3 QLoRA: each unrolled layer's KDA chunk states and MoE dispatch buffers,
+  1.3 GB a chip; docs/notes/lora.md)."""
   if not cfg.remat:
     return cls
-  return nn.remat(cls, prevent_cse=False, static_argnums=static_argnums)
+  return nn.remat(cls, prevent_cse=not (scanned and cfg.scan_layers),
+                  static_argnums=static_argnums)
 
 
 def _layer_cls(cfg: ModelConfig):
@@ -285,7 +292,7 @@ class K3Model(nn.Module):
     self.layers = {i: layer_cls(cfg, *types[i], attn_res) for i in self._unrolled()}
     if groups:
       self.body = nn.scan(
-          _maybe_remat(LayerGroup, cfg),
+          _maybe_remat(LayerGroup, cfg, scanned=True),
           variable_axes={"params": 0, "balance": 0, "lora": 0, "stats": 0,
                          "rewind": 0},
           split_rngs={"params": True}, in_axes=(0, nn.broadcast, 0, nn.broadcast),

@@ -61,7 +61,9 @@ GroupedMatmul = Callable[[Array, Array, Array], Array]
 # Upper bound on the elements of one dequantised chunk of experts (w1 + w3 + w2 of the chunk):
 # 2^22 elements = 8 MiB in bf16. k3's single expert is 33M elements, so it runs one at a time.
 DEQUANT_CHUNK_ELEMENTS = 1 << 22
-DEQUANTIZED = "dequantized_experts"   # checkpoint name: recomputed, never saved for backward
+# Checkpoint name of the expert matmuls' outputs: in a dequantising chunk, the only values its
+# backward keeps (everything else, the dequantised weights above all, is recomputed).
+EXPERT_MATMULS = "expert_matmuls"
 
 
 class MXFP4Weight(NamedTuple):
@@ -98,7 +100,7 @@ def dense_experts(w, dtype):
   if is_lora(w):
     return LoRAExperts(dense_experts(w.base, dtype), w.a.astype(dtype), w.b.astype(dtype))
   if is_packed(w):
-    return checkpoint_name(w.dequantize(dtype), DEQUANTIZED)
+    return w.dequantize(dtype)
   return w.astype(dtype)
 
 
@@ -126,11 +128,16 @@ def _dequant_chunk(num_experts: int, per_expert: int) -> int:
   return best
 
 
-def _no_dequant_residuals(fn):
-  """`fn` whose backward recomputes the dequantised weights instead of keeping them: saved
-  per chunk, the residuals would stack up to the whole bf16 expert tensor again."""
-  policy = jax.checkpoint_policies.save_anything_except_these_names(DEQUANTIZED)
-  return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+def _no_dequant_residuals(fn, in_scan: bool):
+  """`fn` whose backward keeps only the expert matmuls' outputs (named `EXPERT_MATMULS`) and
+  recomputes the rest: the dequantised weights, and anything made of them alone (w1‖w3
+  concatenated, a cast), are frozen-weight values, which a policy that saves all but the
+  dequantiser's output keeps — stacked over a layer's chunks that is the layer's whole bf16
+  w1‖w3 again (the k3 QLoRA compile: docs/notes/lora.md). Outside a scan, CSE would merge the
+  backward's dequantisation with the forward's (keeping it alive in between), so it is
+  prevented there."""
+  policy = jax.checkpoint_policies.save_only_these_names(EXPERT_MATMULS)
+  return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 def batched_experts(rows: Array, w1, w3, w2, act) -> Array:
@@ -145,9 +152,11 @@ def batched_experts(rows: Array, w1, w3, w2, act) -> Array:
 
   def mlp(r, a1, a3, a2):
     if is_lora(a1) or is_lora(a3):   # adapters: each matrix with its own (x·A)·b
-      h = act(expert_einsum("ecd,edf->ecf", r, a1), expert_einsum("ecd,edf->ecf", r, a3))
+      h = act(checkpoint_name(expert_einsum("ecd,edf->ecf", r, a1), EXPERT_MATMULS),
+              checkpoint_name(expert_einsum("ecd,edf->ecf", r, a3), EXPERT_MATMULS))
     else:
       a = jnp.einsum("ecd,edf->ecf", r, jnp.concatenate([a1, a3], axis=-1))
+      a = checkpoint_name(a, EXPERT_MATMULS)
       h = act(a[..., :f], a[..., f:])
     return expert_einsum("ecf,efd->ecd", h.astype(dt), a2)
 
@@ -156,9 +165,10 @@ def batched_experts(rows: Array, w1, w3, w2, act) -> Array:
   e, c, d = rows.shape
   ec = _dequant_chunk(e, 3 * d * f)
 
-  @_no_dequant_residuals
-  def chunk(r, a1, a3, a2):
+  def dequantised_mlp(r, a1, a3, a2):
     return mlp(r, dense_experts(a1, dt), dense_experts(a3, dt), dense_experts(a2, dt))
+
+  chunk = _no_dequant_residuals(dequantised_mlp, in_scan=ec < e)
 
   if ec == e:
     return chunk(rows, w1, w3, w2)
