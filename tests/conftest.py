@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import time
 
-from cli_env import xla_flags  # noqa: E402  (sets nothing; no jax import)
+from cli_env import xla_flags   # no jax import: XLA_FLAGS is set before jax loads
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
