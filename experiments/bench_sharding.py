@@ -162,9 +162,9 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
                 muon: bool = True, param_dtype: str = "float32", mu_dtype: str = "",
                 offload_momentum: bool = False) -> dict:
   import jax
-  import jax.numpy as jnp
 
   from k3jax import sharding
+  from k3jax.train import data as data_lib
   from k3jax.train import sharded, trainer
 
   layout = dict(layout or LAYOUTS[num_devices])
@@ -191,11 +191,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   # values: no parameter is ever allocated.
   step = sharded.build_step(cfg, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
   state, state_sh = step.train.abstract_state, step.train.state_shardings
-  keys = ("inputs", "targets", "segment_ids", "mtp_targets")
-  batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in keys}
-  batch.update({k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)
-                for k in ("loss_mask", "mtp_mask")})
-  lowered = step.train.lower(state, batch)
+  lowered = step.train.lower(state, data_lib.abstract_batch(batch_size, seq_len))
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
@@ -340,10 +336,10 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
   `compile_step` also the compiled peak of the LoRA train step on the slice's compile-only TPU
   devices (libtpu), or XLA's refusal when it does not fit."""
   import jax
-  import jax.numpy as jnp
 
   from k3jax import sharding
   from k3jax.config import preset
+  from k3jax.train import data as data_lib
   from k3jax.train import lora as lora_lib
   from k3jax.train import trainer
 
@@ -366,11 +362,7 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
   per_chip = _shard_gib(state, sh)
   compiled = {"compiled": False}
   if compile_step:
-    b = cfg.train.batch_size
-    batch = {k: jax.ShapeDtypeStruct((b, seq_len), jnp.int32)
-             for k in ("inputs", "targets", "segment_ids", "mtp_targets")}
-    batch.update({k: jax.ShapeDtypeStruct((b, seq_len), jnp.float32)
-                  for k in ("loss_mask", "mtp_mask")})
+    batch = data_lib.abstract_batch(cfg.train.batch_size, seq_len)
     t0 = time.perf_counter()
     lowered = step.train.lower(state, batch)
     t1 = time.perf_counter()

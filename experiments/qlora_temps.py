@@ -25,10 +25,8 @@ F, D = 256, 128    # expert width and (latent) input width
 
 
 def temps(num_layers: int, num_experts: int, expert_format: str) -> dict:
-  import jax
-  import jax.numpy as jnp
-
   from k3jax.config import preset
+  from k3jax.train import data as data_lib
   from k3jax.train import lora as L
   from k3jax.train import trainer
   c = preset("tiny", num_layers=num_layers, num_experts=num_experts, expert_format=expert_format,
@@ -39,9 +37,7 @@ def temps(num_layers: int, num_experts: int, expert_format: str) -> dict:
   cfg.train.batch_size, cfg.train.seq_len, cfg.train.mtp_weight = 2, 64, 0.0
   step = L.build_lora_step(cfg, c, None)
   state = L.abstract_state(c, step.tx)
-  batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32)
-           for k in ("inputs", "targets", "segment_ids", "mtp_targets")}
-  batch.update({k: jax.ShapeDtypeStruct((2, 64), jnp.float32) for k in ("loss_mask", "mtp_mask")})
+  batch = data_lib.abstract_batch(cfg.train.batch_size, cfg.train.seq_len)
   ma = step.train.lower(state, batch).compile().memory_analysis()
   moe_layers = num_layers - c.first_dense_layers
   return dict(num_layers=num_layers, stack_layout=list(c.stack_layout()),

@@ -297,6 +297,15 @@ def pack_windows(windows: np.ndarray) -> dict[str, np.ndarray]:
               mtp_mask=mtp_mask.astype(np.float32))
 
 
+def abstract_batch(batch_size: int, seq_len: int) -> dict:
+  """`pack_windows`' batch as `jax.ShapeDtypeStruct`s [batch_size, seq_len] (int32 tokens and
+  segment ids, float32 masks): what a train step is lowered with, nothing allocated."""
+  import jax  # the data pipeline itself is numpy only
+  masks = ("loss_mask", "mtp_mask")
+  return {k: jax.ShapeDtypeStruct((batch_size, seq_len), np.float32 if k in masks else np.int32)
+          for k in ("inputs", "targets", "segment_ids", "loss_mask", "mtp_targets", "mtp_mask")}
+
+
 def sample_batch(stream: np.ndarray, seed: int, step: int, batch_size: int,
                  seq_len: int) -> dict[str, np.ndarray]:
   """The batch of `step`: B random windows of T+2 tokens (pure function of its arguments)."""

@@ -31,6 +31,12 @@ def test_packing_segments_and_masks():
   assert b["mtp_mask"][0].tolist() == [1, 1, 0, 0, 1, 0, 0]
 
 
+def test_abstract_batch_is_the_packed_batch():
+  b = D.pack_windows(np.zeros((3, 7), np.uint16))
+  assert {k: (s.shape, s.dtype) for k, s in D.abstract_batch(3, 5).items()} == {
+      k: (v.shape, v.dtype) for k, v in b.items()}
+
+
 def test_user_text_jsonl_npy_and_split(tmp_path):
   for i in range(30):
     (tmp_path / f"doc{i:02d}.txt").write_text(f"document number {i}\n" * 3)
