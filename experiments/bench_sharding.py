@@ -41,8 +41,9 @@ activations, gradients and temporaries are not in it; with libtpu installed the 
 route (deviceless TPU compile) gives those, this part does not compile. "smallest_fit" is the
 smallest slice whose state leaves at least `QLORA_HEADROOM_GIB` of the 95 GiB free. With
 --qlora_compile (libtpu) the LoRA train step is also lowered and compiled for the slice's
-compile-only TPU devices: its peak (arguments + outputs − aliases + temporaries) decides "fits",
-and a plan over the chip's HBM is XLA's refusal, reported.
+compile-only TPU devices (the frozen base in the layouts the compiler chose, as a LoRA run
+stores it: `ShardedStep(compiler_layouts=...)`): its peak (arguments + outputs − aliases +
+temporaries) decides "fits", and a plan over the chip's HBM is XLA's refusal, reported.
 
 Part "ep": on N simulated CPU devices (--ep_devices, default 8), the `small` preset's jitted
 train step with experts sharded over `expert` (all_to_all dispatch) vs. the same step with
@@ -63,7 +64,7 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part inference --devices 32 --num_layers 9
   .venv/bin/python experiments/bench_sharding.py --part qlora              # k3 QLoRA state
   PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part qlora \
-      --devices 32 --qlora_compile                                    # + compiled peak
+      --devices 64 --qlora_compile                                    # + compiled peak
   --out FILE writes the JSON object too; the last printed line is that JSON.
 """
 
@@ -387,7 +388,8 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
   return dict(part="qlora", preset="k3", devices=num_devices, layout=layout,
               topology=topology, num_layers=config.num_layers,
               param_axes=list(PARAM_AXES), expert_format=config.expert_format,
-              param_dtype=config.param_dtype, lora_rank=lora_rank,
+              param_dtype=config.param_dtype, compiler_layouts=list(step.train.compiler_layouts),
+              lora_rank=lora_rank,
               lora_targets=list(lora_targets), seq_len=seq_len,
               global_batch=cfg.train.batch_size,
               adapter_params=int(sum(x.size for x in jax.tree.leaves(state.lora))),

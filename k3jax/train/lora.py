@@ -208,7 +208,9 @@ def build_lora_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
   sh = state_shardings(mesh, state, boxed, rules)
   fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight, schedule=schedule,
                        grad_accum=accum, grad_shardings=sh.lora)
-  return Step(tx, schedule, ShardedStep(fn, mesh, sh, state, donate), eval_fn)
+  # The frozen base passes through the step unchanged: stored in the layouts the step reads.
+  train = ShardedStep(fn, mesh, sh, state, donate, compiler_layouts=("params",))
+  return Step(tx, schedule, train, eval_fn)
 
 
 # ------------------------------------------------------------------ adapters on disk

@@ -14,12 +14,14 @@ returns.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax import sharding
@@ -121,18 +123,38 @@ class ShardedStep:
   (`sharding.put_batch`: with several processes each materialises only its own devices'
   slices) and runs the step under `jax.set_mesh(mesh)`. `lower(state, batch)` lowers it from
   `jax.ShapeDtypeStruct`s with the same shardings (a deviceless compile at pod scale).
+
+  `compiler_layouts`: names of state fields (a frozen base: "params") whose memory layouts XLA
+  chooses (`Layout.AUTO`, in and out) instead of the default row-major ones. A field the step
+  passes through unchanged is then stored the way the step reads it: XLA:TPU otherwise
+  re-lays a scanned stack of packed experts out in a temporary copy per layer group (k3 QLoRA
+  at 32 v5p chips: 122.92G of temporaries with default layouts, 56.87 GiB with the compiler's;
+  docs/notes/lora.md). The step is then compiled once per batch shape and called compiled;
+  the first call moves those fields into the chosen layouts (donating the old buffers), and
+  later calls find them there. On CPU the chosen layouts are the default ones.
   """
 
   def __init__(self, step_fn: Callable, mesh: Mesh, state_shardings: TrainState,
-               abstract: TrainState, donate: bool = True):
+               abstract: TrainState, donate: bool = True,
+               compiler_layouts: Sequence[str] = ()):
     self.mesh = mesh
     self.state_shardings = state_shardings
     self.abstract_state = abstract      # what the shardings were derived from
+    self.compiler_layouts = tuple(compiler_layouts)
+    self._donate = donate
+    for name in self.compiler_layouts:
+      if not hasattr(state_shardings, name):
+        raise ValueError(f"compiler_layouts: the state has no field {name!r}")
+    auto = lambda s: Format(Layout.AUTO, s)  # noqa: E731
+    formats = state_shardings.replace(**{
+        name: jax.tree.map(auto, getattr(state_shardings, name))
+        for name in self.compiler_layouts})
+    self._compiled = {}                 # batch shapes → compiled step (compiler_layouts only)
     # No flax logical-rules context while tracing: under a JAX mesh it would make flax apply
     # logical constraints in its parameter shape checks (the rules act through the shardings).
     # The batch's shardings are its own (`put_batch` placed it): None = taken from the argument.
-    self._jit = jax.jit(step_fn, in_shardings=(state_shardings, None),
-                        out_shardings=(state_shardings, NamedSharding(mesh, P())),
+    self._jit = jax.jit(step_fn, in_shardings=(formats, None),
+                        out_shardings=(formats, NamedSharding(mesh, P())),
                         donate_argnums=(0,) if donate else ())
 
   def batch_shardings(self, batch: Any) -> Any:
@@ -141,8 +163,20 @@ class ShardedStep:
   def __call__(self, state: TrainState, batch: Any):
     state = sharding.put_batch(state, self.state_shardings)
     batch = sharding.put_batch(batch, self.batch_shardings(batch))
+    if not self.compiler_layouts:
+      with jax.set_mesh(self.mesh):
+        return self._jit(state, batch)
+    key = tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
+    if key not in self._compiled:
+      self._compiled[key] = self.lower(self.abstract_state, batch).compile()
+    compiled = self._compiled[key]
+    state_formats = compiled.input_formats[0][0]
+    state = state.replace(**{
+        name: jax.tree.map(functools.partial(_put_format, donate=self._donate),
+                           getattr(state, name), getattr(state_formats, name))
+        for name in self.compiler_layouts})
     with jax.set_mesh(self.mesh):
-      return self._jit(state, batch)
+      return compiled(state, batch)
 
   def lower(self, state: TrainState, batch: Any):
     """`jax.jit(...).lower` of the step from abstract `state` and `batch` (shapes and dtypes;
@@ -150,6 +184,14 @@ class ShardedStep:
     with jax.set_mesh(self.mesh):
       return self._jit.lower(_with_shardings(state, self.state_shardings),
                              _with_shardings(batch, self.batch_shardings(batch)))
+
+
+def _put_format(x: jax.Array, fmt: Format, donate: bool) -> jax.Array:
+  """`x` in the compiled step's input format: as it is when already there, else moved (with
+  a donating step, its old buffer donated: a large frozen base is not held twice)."""
+  if x.format == fmt:
+    return x
+  return jax.device_put(x, fmt, donate=donate)
 
 
 class Step(NamedTuple):

@@ -3,6 +3,7 @@ merging, packed bases, adapter checkpoints, config errors, the trainer's train.l
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,6 +292,32 @@ def test_adapters_shard_like_their_base():
   # AdamW's moments follow the adapters they mirror.
   mu = sh.opt_state[0].mu["layers_1"]["block_sparse_moe"]["experts"]["w1_lora_a"]
   assert mu == experts["w1_lora_a"]
+
+
+def test_lora_step_on_a_mesh_equals_one_device_with_compiler_layouts():
+  """The LoRA step on an expert=2 mesh: the frozen base in the layouts its compiled
+  step chose (`ShardedStep(compiler_layouts=("params",))`; default ones on CPU), one compile
+  for both steps, the same adapters as the one-device run and the base untouched."""
+  from k3jax import sharding
+  cfg = _run_config()
+  config, s0, ref = _trained()
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=1, expert=2), devices=jax.devices()[:2])
+  step = L.build_lora_step(cfg, config, mesh)
+  assert step.train.compiler_layouts == ("params",)
+  s = jax.tree.map(jnp.asarray, s0)
+  for _ in range(2):
+    s, metrics = step.train(s, _batch())
+  (compiled,) = step.train._compiled.values()           # one program for both calls
+  formats = compiled.input_formats[0][0].params
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, f: x.format == f, s.params, formats)))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, s.params), s0.params)
+  # Adam's early steps are ≈ ±lr·sign(g): float noise on a near-zero gradient moves an entry
+  # by up to ~1e-4 (one in a thousand here), far below the 3e-2 steps a wrong update would take.
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, s.lora), ref.lora, rtol=1e-3, atol=2e-4)
+  with pytest.raises(ValueError, match="no field 'base'"):
+    from k3jax.train.sharded import ShardedStep
+    ShardedStep(lambda s, b: (s, {}), mesh, step.train.state_shardings,
+                step.train.abstract_state, compiler_layouts=("base",))
 
 
 def test_param_count_lora_from_shapes():
