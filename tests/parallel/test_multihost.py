@@ -18,7 +18,7 @@ ARGS = ["--config=configs/tiny.py", "--config.train.steps=3", "--config.train.ba
         "--config.train.eval_every=0", "--config.train.checkpoint_every=3",
         "--config.train.progress=False", "--config.train.tensorboard=False",
         "--config.train.async_checkpoint=False", "--config.train.mtp_weight=0.0",
-        "--config.model.num_layers=3", "--config.model.mla_every=2",
+        "--config.model.num_layers=2", "--config.model.mla_every=2",
         "--config.model.attn_res_block_size=2", "--config.model.num_mtp_layers=0",
         "--config.mesh.data=2", "--config.mesh.expert=4"]
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from k3jax.cache import Cache
 from k3jax.config import preset
 from k3jax.model import K3Model
 from k3jax.vision import encode
@@ -128,14 +127,3 @@ def test_caption_loss_trains_the_tower_under_jit(model):
   for name in ("vision_tower", "mm_projector"):
     norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads[name])]
     assert min(norms) > 0, (name, norms)
-
-
-def test_prefill_with_media_equals_the_full_forward(model):
-  cfg, m, v = model
-  media = media_from_pixels(cfg.vision, _pixels(GRID), GRID)
-  tokens = jnp.asarray(_tokens([(12, [2, 3, 4, 5, 6, 7, 8])]))
-  full = m.apply(v, tokens, media=media)
-  cache = Cache.zeros(cfg, 1, 16)
-  logits, _, _ = m.apply(v, tokens, cache, jnp.asarray([12], jnp.int32), media,
-                         method=K3Model.extend)
-  np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=1e-4, atol=1e-4)
