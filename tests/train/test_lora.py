@@ -306,7 +306,7 @@ def test_lora_step_on_a_mesh_equals_one_device_with_compiler_layouts():
   assert step.train.compiler_layouts == ("params",)
   s = jax.tree.map(jnp.asarray, s0)
   for _ in range(2):
-    s, metrics = step.train(s, _batch())
+    s, _ = step.train(s, _batch())
   (compiled,) = step.train._compiled.values()           # one program for both calls
   formats = compiled.input_formats[0][0].params
   assert all(jax.tree.leaves(jax.tree.map(lambda x, f: x.format == f, s.params, formats)))
