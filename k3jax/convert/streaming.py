@@ -175,20 +175,24 @@ def _ts_context():
   return ts.Context(ts.Context.Spec(spec))
 
 
+def _fsync_path(path: str) -> None:
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return     # a transient file (tensorstore's `*.__lock`) removed after the listing
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _sync_tree(root: pathlib.Path) -> None:
-  """fsync every file and directory under `root` (data to disk before it is called done)."""
+  """fsync every file and directory under `root` (data to disk before it is called done).
+  Runs while the next leaves are written, so entries may vanish between listing and open."""
   for d, _, files in os.walk(root):
     for f in files:
-      fd = os.open(os.path.join(d, f), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+      _fsync_path(os.path.join(d, f))
+    _fsync_path(d)
 
 
 def _write_spec(db_parent: pathlib.Path, part: int, leaf: N.Leaf, store: np.dtype) -> dict:

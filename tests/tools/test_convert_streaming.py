@@ -139,3 +139,21 @@ def test_parts_and_chunks():
     rows = leaf.slice_shape[0] if leaf.slice_shape else 1
     row_bytes = 2 * int(np.prod(leaf.slice_shape[1:], dtype=np.int64))
     assert chunk[leaf.lead:leaf.lead + 1] in ([], [max(1, min(rows, 4096 // row_bytes))])
+
+
+def test_sync_tree_tolerates_files_removed_while_it_runs(tmp_path, monkeypatch):
+  """The background sync walks a database tensorstore is still writing: its transient
+  `*.__lock` files can vanish between the listing and the open."""
+  (tmp_path / "db").mkdir()
+  (tmp_path / "db" / "kept").write_bytes(b"x")
+  walk = streaming.os.walk
+  monkeypatch.setattr(streaming.os, "walk",
+                      lambda root: [(d, s, f + ["manifest.ocdbt.__lock"]) for d, s, f in walk(root)])
+  opened = []
+  real_open = streaming.os.open
+  monkeypatch.setattr(streaming.os, "open", lambda p, *a: opened.append(p) or real_open(p, *a))
+  streaming._sync_tree(tmp_path)
+  assert str(tmp_path / "db" / "kept") in opened           # the real file was synced
+  with pytest.raises(PermissionError):                      # other errors still surface
+    monkeypatch.setattr(streaming.os, "open", lambda p, *a: (_ for _ in ()).throw(PermissionError(p)))
+    streaming._sync_tree(tmp_path)
