@@ -46,9 +46,16 @@ chunk is therefore capped (GPU_MAX_CHUNK: 16 for fp32 inputs, 32 for bf16/fp16);
 exact, so only rounding differs from a larger chunk. The measured footprints behind the cap
 are in docs/notes/pallas_kda.md ("Shared memory on the Triton target").
 
+Packed documents (`segment_ids`): the kernels take each token's segment number within its
+chunk (`sc`, the count of segment starts up to it, fp32 [BH, Tp, 1], made by XLA outside) and
+mask the chunk: A_kk and A_qk to pairs of one segment (T is then block-diagonal by segment),
+the state read (o's and w's e^G terms) to the segment carried in (sc = 0), the state update to
+the chunk's last segment, and the old state is dropped when a segment starts in the chunk. A
+pair of one segment only spans its own gates, so the rescale bounds above still hold.
+
 Limits: needs a bounded gate (`lower_bound`, g >= lower_bound >= -5; see kda_chunked_pallas
-for how a violation is reported); `segment_ids` is not supported (NotImplementedError: use
-kernel_backend='xla'); chunk_size a power of 2 >= 16 (Triton needs power-of-2 blocks).
+for how a violation is reported); chunk_size a power of 2 >= 16 (Triton needs power-of-2
+blocks).
 """
 
 from __future__ import annotations
@@ -163,11 +170,18 @@ def _unit_lower_inverse(n, ident, tiles, dot):
   return r
 
 
-def _chunk_step(q, k, v, g, beta, s, dot=_dot):
+def _transpose_col(x, n):
+  """[n, 1] column -> [1, n] row (exact; select on the identity, then a column sum)."""
+  eye = lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (n, n)), 0.0), axis=0, keepdims=True)
+
+
+def _chunk_step(q, k, v, g, beta, s, sc=None, dot=_dot):
   """One chunk of the delta rule.
 
   q, k [C, K] (q already scaled), v [C, V] (input dtype); g [C, K] fp32 log-decay (>= -5);
-  beta [C, 1] fp32; s [K, V] fp32 state before the chunk.
+  beta [C, 1] fp32; s [K, V] fp32 state before the chunk; sc [C, 1] fp32 or None: each token's
+  segment number within the chunk (0 = the segment carried in; packed documents).
   Returns o [C, V] fp32 and the state after the chunk [K, V] fp32.
   """
   f32 = jnp.float32
@@ -215,6 +229,14 @@ def _chunk_step(q, k, v, g, beta, s, dot=_dot):
     o_qk = o_qk + _mm_t(qf * ej, kj, cd, dot=dot)
   a_kk = beta * jnp.where(later, o_kk, jnp.where(same & (col < row), d_kk, 0.0))
   a_qk = jnp.where(later, o_qk, jnp.where(same & (col <= row), d_qk, 0.0))
+  if sc is not None:   # packed: pairs of one segment only; the state reaches segment 0 only
+    one_seg = sc == _transpose_col(sc, c)                   # [C, C]
+    a_kk = jnp.where(one_seg, a_kk, 0.0)
+    a_qk = jnp.where(one_seg, a_qk, 0.0)
+    reads = jnp.where(sc == 0.0, 1.0, 0.0)                  # [C, 1] tokens that see s
+    last = _row(sc, c - 1)                                  # [1, 1]
+    writes = jnp.where(sc == last, 1.0, 0.0)                # [C, 1] the chunk's last segment
+    keeps = jnp.where(last == 0.0, 1.0, 0.0)                # [1, 1] no segment starts here
 
   # WY/UT transform: T = (I + A_kk)^-1, blockwise by dense doubling products (fp32).
   t_diag = _unit_lower_inverse(jnp.where(same, a_kk, 0.0), ident, SUB, dot)
@@ -222,12 +244,17 @@ def _chunk_step(q, k, v, g, beta, s, dot=_dot):
   t = _mm(_unit_lower_inverse(m, ident, nt, dot), t_diag, dot=dot)
 
   eg = jnp.exp(gc)                                     # <= 1
-  w = _mm(t, beta * kf * eg, cd, dot=dot)             # [C, K]
+  eg_read = eg if sc is None else eg * reads
+  w = _mm(t, beta * kf * eg_read, cd, dot=dot)        # [C, K]
   u = _mm(t, beta * vf, cd, dot=dot)                  # [C, V]
   v_new = u - _mm(w, s, cd, dot=dot)
-  o = _mm(qf * eg, s, cd, dot=dot) + _mm(a_qk, v_new, cd, dot=dot)
+  o = _mm(qf * eg_read, s, cd, dot=dot) + _mm(a_qk, v_new, cd, dot=dot)
   g_last = _row(gc, c - 1)                             # [1, K]
-  s_new = _col(jnp.exp(g_last), dk) * s + _t_mm(kf * jnp.exp(g_last - gc), v_new, cd, dot=dot)
+  decay_s = jnp.exp(g_last)
+  k_out = kf * jnp.exp(g_last - gc)
+  if sc is not None:
+    decay_s, k_out = decay_s * keeps, k_out * writes
+  s_new = _col(decay_s, dk) * s + _t_mm(k_out, v_new, cd, dot=dot)
   return o, s_new
 
 
@@ -235,8 +262,17 @@ def _chunk_step(q, k, v, g, beta, s, dot=_dot):
 # Grid axes: (batch*heads, V blocks[, chunks]). Columns of the state are independent (A_kk, T
 # and w depend on q, k, g, beta only), so a V block is a program of its own: more programs for
 # the GPU and a smaller state per program; each V block recomputes the chunk's A and T.
-def _fwd_grid_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref,
-                     o_ref, st_ref, sf_ref, s_scr):
+# Kernel refs: the inputs in the order (q, k, v, g, beta, s0 | states, [do, dsf,] [sc]) — sc
+# only when `packed` — then the outputs, then the scratch (grid form).
+def _split_sc(refs, n_in, packed):
+  """(inputs without sc, sc ref or None, the remaining refs)."""
+  n = n_in + packed
+  return refs[:n_in], (refs[n_in] if packed else None), refs[n:]
+
+
+def _fwd_grid_kernel(*refs, packed):
+  (q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref), sc_ref, (o_ref, st_ref, sf_ref, s_scr) = \
+      _split_sc(refs, 6, packed)
   c = pl.program_id(2)
 
   @pl.when(c == 0)
@@ -245,7 +281,8 @@ def _fwd_grid_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref,
 
   s = s_scr[...]
   st_ref[...] = s
-  o, s_new = _chunk_step(q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...], s)
+  o, s_new = _chunk_step(q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...], s,
+                         None if sc_ref is None else sc_ref[...])
   o_ref[...] = o.astype(o_ref.dtype)
   s_scr[...] = s_new
 
@@ -254,8 +291,10 @@ def _fwd_grid_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref,
     sf_ref[...] = s_new
 
 
-def _bwd_grid_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref,
-                     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref, ds_scr):
+def _bwd_grid_kernel(*refs, packed):
+  ins, sc_ref, outs = _split_sc(refs, 8, packed)
+  q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref = ins
+  dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref, ds_scr = outs
   c = pl.program_id(2)    # walks chunks NC-1 .. 0 (see the index maps)
 
   @pl.when(c == 0)
@@ -263,7 +302,7 @@ def _bwd_grid_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref,
     ds_scr[...] = dsf_ref[...].astype(jnp.float32)
 
   grads = _chunk_vjp(q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...], st_ref[...],
-                     do_ref[...], ds_scr[...])
+                     do_ref[...], ds_scr[...], None if sc_ref is None else sc_ref[...])
   for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, db_ref), grads[:5]):
     ref[...] = x.astype(ref.dtype)
   ds_scr[...] = grads[5]
@@ -273,32 +312,38 @@ def _bwd_grid_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref,
     ds0_ref[...] = grads[5]
 
 
-def _chunk_vjp(q, k, v, g, b, s, do, ds):
+def _chunk_vjp(q, k, v, g, b, s, do, ds, sc):
   """Recompute one chunk and pull (do, dS_after) back to (dq, dk, dv, dg, dbeta, dS_before)."""
-  _, pull = jax.vjp(functools.partial(_chunk_step, dot=_dot_vjp), q, k, v, g, b, s)
+  step = functools.partial(_chunk_step, sc=sc, dot=_dot_vjp)
+  _, pull = jax.vjp(step, q, k, v, g, b, s)
   return pull((do.astype(jnp.float32), ds))
 
 
-def _fwd_loop_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, st_ref, sf_ref, *,
-                     chunk, num_chunks):
+def _fwd_loop_kernel(*refs, packed, chunk, num_chunks):
+  (q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref), sc_ref, (o_ref, st_ref, sf_ref) = \
+      _split_sc(refs, 6, packed)
+
   def body(i, s):
     sl = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
     st_ref[i] = s
     o, s_new = _chunk_step(q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :],
-                           b_ref[sl, :], s)
+                           b_ref[sl, :], s, None if sc_ref is None else sc_ref[sl, :])
     o_ref[sl, :] = o.astype(o_ref.dtype)
     return s_new
 
   sf_ref[...] = lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(jnp.float32))
 
 
-def _bwd_loop_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref,
-                     dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref, *, chunk, num_chunks):
+def _bwd_loop_kernel(*refs, packed, chunk, num_chunks):
+  ins, sc_ref, outs = _split_sc(refs, 8, packed)
+  q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref = ins
+  dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref = outs
+
   def body(j, ds):
     i = num_chunks - 1 - j
     sl = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
     grads = _chunk_vjp(q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :], b_ref[sl, :],
-                       st_ref[i], do_ref[sl, :], ds)
+                       st_ref[i], do_ref[sl, :], ds, None if sc_ref is None else sc_ref[sl, :])
     for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, db_ref), grads[:5]):
       ref[sl, :] = x.astype(ref.dtype)
     return grads[5]
@@ -358,13 +403,13 @@ class _Layout:
 
 
 def _launch(kernel_grid, kernel_loop, lay, bh, nv, bv, dk, out_shape, in_specs, out_specs,
-            interpret, target, name):
+            interpret, target, name, packed):
   if lay.launch == "loop":
-    kernel = functools.partial(kernel_loop, chunk=lay.chunk, num_chunks=lay.nc)
+    kernel = functools.partial(kernel_loop, packed=packed, chunk=lay.chunk, num_chunks=lay.nc)
     grid, scratch = (bh, nv), ()
   else:
     from jax.experimental.pallas import tpu as pltpu
-    kernel, grid = kernel_grid, (bh, nv, lay.nc)
+    kernel, grid = functools.partial(kernel_grid, packed=packed), (bh, nv, lay.nc)
     scratch = (pltpu.VMEM((dk, bv), jnp.float32),)
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -372,9 +417,10 @@ def _launch(kernel_grid, kernel_loop, lay, bh, nv, bv, dk, out_shape, in_specs, 
       compiler_params=None if interpret else _compiler_params(target, lay.launch))
 
 
-def kda_chunk_fwd(q, k, v, g, beta, s0, *, chunk, block_v, interpret, target, launch):
+def kda_chunk_fwd(q, k, v, g, beta, s0, sc=None, *, chunk, block_v, interpret, target, launch):
   """Forward kernel. q, k, g [BH, Tp, K]; v [BH, Tp, V]; beta [BH, Tp, 1] fp32; s0 [BH, K, V]
-  fp32; Tp a multiple of `chunk`, V of `block_v`. Returns o [BH, Tp, V] (q.dtype), the
+  fp32; sc [BH, Tp, 1] fp32 segment numbers within each chunk, or None (one sequence per row);
+  Tp a multiple of `chunk`, V of `block_v`. Returns o [BH, Tp, V] (q.dtype), the
   chunk-initial states [BH, NC, K, V] fp32 and the final state [BH, K, V] fp32."""
   bh, tp, dk = q.shape
   dv = v.shape[-1]
@@ -386,15 +432,17 @@ def kda_chunk_fwd(q, k, v, g, beta, s0, *, chunk, block_v, interpret, target, la
   in_specs = [lay.tokens(dk), lay.tokens(dk), lay.tokens(block_v, True), lay.tokens(dk),
               lay.tokens(1), lay.state(dk, block_v)]
   out_specs = (lay.tokens(block_v, True), lay.states(dk, block_v), lay.state(dk, block_v))
+  args = (q, k, v, g, beta, s0) + (() if sc is None else (sc,))
+  in_specs += [] if sc is None else [lay.tokens(1)]
   return _launch(_fwd_grid_kernel, _fwd_loop_kernel, lay, bh, nv, block_v, dk, out_shape,
-                 in_specs, out_specs, interpret, target, "kda_chunk_fwd")(q, k, v, g, beta, s0)
+                 in_specs, out_specs, interpret, target, "kda_chunk_fwd", sc is not None)(*args)
 
 
-def kda_chunk_bwd(q, k, v, g, beta, states, do, dsf, *, chunk, block_v, interpret, target,
-                  launch):
+def kda_chunk_bwd(q, k, v, g, beta, states, do, dsf, sc=None, *, chunk, block_v, interpret,
+                  target, launch):
   """Backward kernel: cotangents do [BH, Tp, V], dsf [BH, K, V] -> (dq, dk, dv, dg, dbeta, ds0)
   shaped like (q, k, v, g, beta, s0); chunks are visited last to first. dq, dk, dg, dbeta are
-  sums of per-V-block partials."""
+  sums of per-V-block partials. sc as for `kda_chunk_fwd`."""
   bh, tp, dk = q.shape
   dv = v.shape[-1]
   nv, lay = dv // block_v, _Layout(launch, tp, chunk, reverse=True)
@@ -407,36 +455,39 @@ def kda_chunk_bwd(q, k, v, g, beta, states, do, dsf, *, chunk, block_v, interpre
               lay.state(dk, block_v)]
   out_specs = (lay.partial_tokens(dk), lay.partial_tokens(dk), lay.tokens(block_v, True),
                lay.partial_tokens(dk), lay.partial_tokens(1), lay.state(dk, block_v))
+  args = (q, k, v, g, beta, states, do, dsf) + (() if sc is None else (sc,))
+  in_specs += [] if sc is None else [lay.tokens(1)]
   dq, dk_, dv_, dg, db, ds0 = _launch(
       _bwd_grid_kernel, _bwd_loop_kernel, lay, bh, nv, block_v, dk, out_shape, in_specs,
-      out_specs, interpret, target, "kda_chunk_bwd")(q, k, v, g, beta, states, do, dsf)
+      out_specs, interpret, target, "kda_chunk_bwd", sc is not None)(*args)
   total = lambda x, like: jnp.sum(x, axis=1).astype(like.dtype)
   return total(dq, q), total(dk_, k), dv_, total(dg, g), total(db, beta), ds0
 
 
 # ------------------------------------------------------------------------- custom_vjp core
-_STATIC = (6, 7, 8, 9, 10)   # chunk, block_v, interpret, target, launch
+_STATIC = (7, 8, 9, 10, 11)   # chunk, block_v, interpret, target, launch
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=_STATIC)
-def _kda_core(q, k, v, g, beta, s0, chunk, block_v, interpret, target, launch):
-  o, _, sf = kda_chunk_fwd(q, k, v, g, beta, s0, chunk=chunk, block_v=block_v,
+def _kda_core(q, k, v, g, beta, s0, sc, chunk, block_v, interpret, target, launch):
+  o, _, sf = kda_chunk_fwd(q, k, v, g, beta, s0, sc, chunk=chunk, block_v=block_v,
                            interpret=interpret, target=target, launch=launch)
   return o, sf
 
 
-def _kda_core_fwd(q, k, v, g, beta, s0, chunk, block_v, interpret, target, launch):
-  o, states, sf = kda_chunk_fwd(q, k, v, g, beta, s0, chunk=chunk, block_v=block_v,
+def _kda_core_fwd(q, k, v, g, beta, s0, sc, chunk, block_v, interpret, target, launch):
+  o, states, sf = kda_chunk_fwd(q, k, v, g, beta, s0, sc, chunk=chunk, block_v=block_v,
                                 interpret=interpret, target=target, launch=launch)
-  return (o, sf), (q, k, v, g, beta, states)
+  return (o, sf), (q, k, v, g, beta, states, sc)
 
 
 def _kda_core_bwd(chunk, block_v, interpret, target, launch, res, cts):
-  q, k, v, g, beta, states = res
+  q, k, v, g, beta, states, sc = res
   do, dsf = cts
-  return kda_chunk_bwd(q, k, v, g, beta, states, do.astype(q.dtype), dsf.astype(jnp.float32),
-                       chunk=chunk, block_v=block_v, interpret=interpret, target=target,
-                       launch=launch)
+  grads = kda_chunk_bwd(q, k, v, g, beta, states, do.astype(q.dtype), dsf.astype(jnp.float32),
+                        sc, chunk=chunk, block_v=block_v, interpret=interpret, target=target,
+                        launch=launch)
+  return grads + (None if sc is None else jnp.zeros_like(sc),)   # segment numbers: constants
 
 
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
@@ -468,12 +519,10 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
     fp32, 32 for bf16 inputs) so the Triton kernels fit in shared memory. launch: "grid" | "loop" (default: loop on GPU, grid
     otherwise); both give identical results. block_v: V columns per program (default V; 64
     on GPU when V > 64): a power of 2 dividing V.
-  segment_ids: not supported (NotImplementedError): use kernel_backend='xla'.
+  segment_ids: `[B, T]` int or None (packed documents): the state resets to zero where the
+    id changes; initial_state applies to the first segment, the final state is the last
+    segment's (as `kda_chunked`).
   """
-  if segment_ids is not None:
-    raise NotImplementedError(
-        "kda_chunked_pallas: segment_ids (packed sequences) are not supported by the Pallas KDA "
-        "kernel; use kernel_backend='xla' (k3jax.ops.kda.kda_chunked)")
   if lower_bound is None:
     raise ValueError("pallas KDA kernel needs a bounded decay gate (kda_lower_bound), "
                      "use kernel_backend='xla'")
@@ -490,6 +539,13 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
   if v.shape[:3] != (b, t, h) or beta.shape != (b, t, h):
     raise ValueError(f"kda_chunked_pallas: v must be [{b},{t},{h},V] and beta [{b},{t},{h}], "
                      f"found v {v.shape}, beta {beta.shape}")
+  if segment_ids is not None:
+    if segment_ids.shape != (b, t):
+      raise ValueError(f"kda_chunked_pallas: segment_ids must be [B, T] = {(b, t)}, found "
+                       f"{segment_ids.shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"kda_chunked_pallas: segment_ids must have an integer dtype, found "
+                       f"{segment_ids.dtype}")
   if initial_state is not None and initial_state.shape != (b, h, dk, dv):
     raise ValueError(f"kda_chunked_pallas: initial_state must be {(b, h, dk, dv)}, found "
                      f"{initial_state.shape}")
@@ -539,8 +595,14 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
 
   s0 = (jnp.zeros((b, h, dk, dv), f32) if initial_state is None
         else initial_state.astype(f32)).reshape(b * h, dk, dv)
+  sc = None
+  if segment_ids is not None:   # each token's segment number within its chunk (0: carried in)
+    starts = jnp.pad((segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32),
+                     ((0, 0), (1, tp - t)))     # padding continues the last segment (a no-op)
+    sc = jnp.cumsum(starts.reshape(b, tp // chunk_size, chunk_size), axis=-1).astype(f32)
+    sc = jnp.broadcast_to(sc.reshape(b, 1, tp, 1), (b, h, tp, 1)).reshape(b * h, tp, 1)
   o, sf = _kda_core(heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)),
-                    heads_first(g), heads_first(beta.astype(f32)[..., None]), s0,
+                    heads_first(g), heads_first(beta.astype(f32)[..., None]), s0, sc,
                     chunk_size, block_v, bool(interpret), target, launch)
   o = jnp.transpose(o.reshape(b, h, tp, dv), (0, 2, 1, 3))[:, :t]
   o = jnp.where(tripped[:, None, :, None], jnp.asarray(jnp.nan, o.dtype), o)

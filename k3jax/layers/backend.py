@@ -35,11 +35,9 @@ class Kernels:
   """The kernel functions one (kernel_backend, kda_lower_bound) resolves to.
 
   backend: "xla" | "pallas", with "auto" resolved.
-  kda_chunked: `kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size)` →
-    (o, final state) for unpacked sequences: the Pallas kernel on "pallas" with a bounded gate,
-    else the XLA op (both told the gate's bound).
-  kda_chunked_packed: the same with `segment_ids` (packed documents): always the XLA op (the
-    kernel takes no segment ids).
+  kda_chunked: `kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size,
+    segment_ids=None)` → (o, final state): the Pallas kernel on "pallas" with a bounded gate,
+    else the XLA op (both told the gate's bound; both take packed documents' segment ids).
   gmm: the grouped matmul the routed experts run through (`ops.moe.GroupedMatmul`):
     `pallas_kernels.moe_gmm.gmm` on "pallas"; None on "xla" (the sorted dense-einsum path,
     the fastest XLA one on CPU).
@@ -47,7 +45,6 @@ class Kernels:
   """
   backend: str
   kda_chunked: Callable
-  kda_chunked_packed: Callable
   gmm: Callable | None
   expert_mlp: Callable
 
@@ -69,8 +66,7 @@ def _kernels(name: str, kda_lower_bound: float | None) -> Kernels:
     if kda_lower_bound is not None:
       kda = functools.partial(kda_chunked_pallas, lower_bound=kda_lower_bound)
   mlp = expert_mlp if gmm is None else functools.partial(expert_mlp, gmm=gmm)
-  return Kernels(backend=name, kda_chunked=kda, kda_chunked_packed=kda_xla, gmm=gmm,
-                 expert_mlp=mlp)
+  return Kernels(backend=name, kda_chunked=kda, gmm=gmm, expert_mlp=mlp)
 
 
 def kernels(config) -> Kernels:
@@ -79,16 +75,16 @@ def kernels(config) -> Kernels:
   return _kernels(resolve(config.kernel_backend), config.kda_lower_bound)
 
 
-def kda_chunked_fn(backend: str, *, lower_bound: float | None = None, packed: bool = False):
-  """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, ...)` for a backend:
-  `Kernels.kda_chunked`, or `kda_chunked_packed` when `packed` (segment ids).
+def kda_chunked_fn(backend: str, *, lower_bound: float | None = None):
+  """`kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size, segment_ids=None)`
+  for a backend: `Kernels.kda_chunked`.
 
   Under `k3jax.sharding.activate(mesh)` with context > 1 the function runs context-parallel
   (k3jax/parallel/context.py); otherwise it is the op itself.
   """
   from k3jax.parallel.context import maybe_context_parallel
   ks = _kernels(resolve(backend), lower_bound)
-  return maybe_context_parallel(ks.kda_chunked_packed if packed else ks.kda_chunked)
+  return maybe_context_parallel(ks.kda_chunked)
 
 
 def expert_mlp_fn(config):

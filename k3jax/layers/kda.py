@@ -170,8 +170,7 @@ class KDA(nn.Module):
       # Parameters never depend on the recurrence's output: skip it, so that `init` (and its
       # compilation) costs projections only.
       return self.output(x, jnp.zeros(v.shape, jnp.float32))
-    fn = backend.kda_chunked_fn(cfg.kernel_backend, lower_bound=cfg.kda_lower_bound,
-                                packed=segment_ids is not None)
+    fn = backend.kda_chunked_fn(cfg.kernel_backend, lower_bound=cfg.kda_lower_bound)
     kwargs = {} if segment_ids is None else {"segment_ids": segment_ids}
     o, _ = fn(q, k, v, g, beta, scale=cfg.kda_head_dim ** -0.5, chunk_size=cfg.kda_chunk_size,
               **kwargs)

@@ -16,12 +16,12 @@ def test_resolve():
     backend.resolve("triton")
 
 
-def test_kda_falls_back_to_xla_for_unbounded_gates_and_packing():
+def test_kda_falls_back_to_xla_for_unbounded_gates():
   # The XLA op, told the gate's bound (it picks its diagonal-tile form at trace time from it).
   for fn, bound in ((backend.kda_chunked_fn("xla", lower_bound=-5.0), -5.0),
-                    (backend.kda_chunked_fn("pallas", lower_bound=None), None),
-                    (backend.kda_chunked_fn("pallas", lower_bound=-5.0, packed=True), -5.0)):
+                    (backend.kda_chunked_fn("pallas", lower_bound=None), None)):
     assert fn.func is kda_chunked and fn.keywords == {"lower_bound": bound}
+  # Packed documents too run the kernel (it takes segment ids).
   fn = backend.kda_chunked_fn("pallas", lower_bound=-5.0)
   assert fn.func.__name__ == "kda_chunked_pallas"
 
@@ -46,5 +46,3 @@ def test_kernels_resolved_once_per_config():
       preset("tiny"))  # CPU: "auto" is "xla"
   # The layers' KDA helper hands out the record's functions.
   assert backend.kda_chunked_fn("pallas", lower_bound=cfg.kda_lower_bound) is ks.kda_chunked
-  assert backend.kda_chunked_fn("pallas", lower_bound=cfg.kda_lower_bound,
-                                packed=True) is ks.kda_chunked_packed

@@ -36,9 +36,11 @@ def _kda_args(dtype, b=1, t=100, h=2, dk=64, dv=128):   # GPU: two V blocks of 6
           s(b, h, dk, dv, d=f32))
 
 
-def _kda(target):
+def _kda(target, packed=False):
   def fwd(q, k, v, g, beta, s0):
-    return kda_chunked_pallas(q, k, v, g, beta, initial_state=s0, interpret=False, target=target)
+    seg = jnp.cumsum(jnp.arange(q.shape[1]) % 37 == 0)[None] if packed else None   # 3 documents
+    return kda_chunked_pallas(q, k, v, g, beta, initial_state=s0, interpret=False, target=target,
+                              segment_ids=seg)
 
   def fwd_bwd(*args):
     def loss(*a):
@@ -48,11 +50,13 @@ def _kda(target):
   return fwd, fwd_bwd
 
 
-@pytest.mark.parametrize("platform,dtype", [
-    ("tpu", jnp.float32), ("tpu", jnp.bfloat16), ("cuda", jnp.float32), ("cuda", jnp.bfloat16)])
-def test_kda_chunk_lowers(platform, dtype):
-  """Forward: one kernel (kda_chunk_fwd); forward+backward: both kernels."""
-  fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu")
+@pytest.mark.parametrize("platform,dtype,packed", [
+    ("tpu", jnp.float32, False), ("tpu", jnp.bfloat16, False), ("cuda", jnp.float32, False),
+    ("cuda", jnp.bfloat16, False), ("tpu", jnp.bfloat16, True), ("cuda", jnp.bfloat16, True)])
+def test_kda_chunk_lowers(platform, dtype, packed):
+  """Forward: one kernel (kda_chunk_fwd); forward+backward: both kernels; packed documents
+  (segment ids) add one input to each."""
+  fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu", packed)
   args = _kda_args(dtype)
   text = export_for(fwd, args, platform)
   assert text.count(_CUSTOM_CALL[platform]) == 1

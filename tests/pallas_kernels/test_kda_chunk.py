@@ -180,6 +180,39 @@ def test_chunk_step_matches_token_loop(seed, gate_scale):
   assert _rel_err(o, o_ref) < 1e-4 and _rel_err(s_new, s_ref) < 1e-4
 
 
+def _naive_packed_chunk(q, k, v, g, beta, s, starts):
+  """The token loop with the state reset to zero at every token where `starts` is set."""
+  out, s = [], np.asarray(s, np.float64)
+  for t in range(q.shape[0]):
+    if starts[t]:
+      s = np.zeros_like(s)
+    o, s = _naive_chunk(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+    out.append(o)
+  return np.concatenate(out), s
+
+
+@given(seed=st.integers(0, 2**16), gate_scale=st.sampled_from([0.0, 3.0]),
+       starts=st.lists(st.integers(1, 63), max_size=6))
+def test_packed_chunk_step_matches_token_loop(seed, gate_scale, starts):
+  """A chunk holding several documents (segment numbers as the kernels receive them): equal
+  to the token loop that resets the state at each document start; the state carried in
+  reaches only the first document, the state out is the last document's."""
+  r = np.random.default_rng(seed)
+  c, dk, dv = 64, 16, 8
+  q, k = (r.standard_normal((c, dk)).astype(np.float32) * 0.3 for _ in range(2))
+  v = r.standard_normal((c, dv)).astype(np.float32)
+  g = (-5.0 / (1.0 + np.exp(-gate_scale * r.standard_normal((c, dk))))).astype(np.float32)
+  beta = (1.0 / (1.0 + np.exp(-r.standard_normal((c, 1))))).astype(np.float32)
+  s = r.standard_normal((dk, dv)).astype(np.float32)
+  flags = np.zeros(c, bool)
+  flags[starts] = True
+  sc = np.cumsum(flags).astype(np.float32)[:, None]
+  o, s_new = _step64(q, k, v, g, beta, s, sc)
+  o_ref, s_ref = _naive_packed_chunk(q, k, v, g, beta, s, flags)
+  assert _rel_err(o, o_ref) < 1e-4 and _rel_err(s_new, s_ref) < 1e-4
+
+
+
 def test_unit_lower_inverse_by_doubling():
   r = np.random.default_rng(0)
   n = np.tril(r.standard_normal((64, 64)) * 0.3, -1).astype(np.float32)
@@ -195,14 +228,16 @@ def test_backend_dispatches_to_kernel():
   assert fn.func is kda_chunked_pallas and fn.keywords == {"lower_bound": -5.0}
 
 
-def test_unbounded_gate_and_segments_are_rejected():
+def test_unbounded_gate_and_bad_segments_are_rejected():
   q, k, v, g, beta, s0 = _inputs(6, 1, 16, 1, 16, 16)
   with pytest.raises(ValueError, match="bounded decay gate.*kernel_backend='xla'"):
     kda_chunked_pallas(q, k, v, g, beta, lower_bound=None)
   with pytest.raises(ValueError, match="g must be >= lower_bound"):
     kda_chunked_pallas(q, k, v, g - 10.0, beta)
-  with pytest.raises(NotImplementedError, match="kernel_backend='xla'"):
-    kda_chunked_pallas(q, k, v, g, beta, segment_ids=jnp.zeros((1, 16), jnp.int32))
+  with pytest.raises(ValueError, match=r"segment_ids must be \[B, T\] = \(1, 16\)"):
+    kda_chunked_pallas(q, k, v, g, beta, segment_ids=jnp.zeros((1, 15), jnp.int32))
+  with pytest.raises(ValueError, match="segment_ids must have an integer dtype"):
+    kda_chunked_pallas(q, k, v, g, beta, segment_ids=jnp.zeros((1, 16), jnp.float32))
 
 
 def test_unbounded_gate_under_jit_flags_nan():
@@ -261,3 +296,37 @@ def test_gates_at_bound_and_zero_match_chunked(launch):
   assert _rel_err(o, o_c) < 1e-5 and _rel_err(s, s_c) < 1e-5
   for name, a, r in zip(_NAMES, _grads(pallas, args), _grads(chunked, args)):
     assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
+
+
+# --------------------------------------------------------------------- packed documents
+_SEGMENTS = np.array([[0] * 10 + [1] * 20 + [2] + [3] * 33 + [4] * 36,    # mid-chunk starts,
+                      [5] * 64 + [7] * 16 + [6] * 20])                     # one at a chunk edge
+
+
+@pytest.mark.parametrize("launch", ["grid", "loop"])
+def test_packed_documents_match_recurrent(launch):
+  """Documents packed in a row (`segment_ids`: starts inside a chunk, at a chunk boundary and
+  a one-token document; T = 100 padded to 128): values and the six gradients equal the
+  recurrence's, which resets the state at each start, for both launch forms (the "loop" one
+  with two V blocks). Slow gates (g in (-0.3, 0)) so that the resets change the result."""
+  q, k, v, g, beta, s0 = _inputs(7, 2, 100, 2, 16, 16)
+  g = -0.3 * jax.random.uniform(jax.random.PRNGKey(3), g.shape)
+  seg = jnp.asarray(_SEGMENTS)
+  interpret = None if launch == _NATIVE_LAUNCH else True
+  pallas = lambda *a: kda_chunked_pallas(*a[:5], initial_state=a[5], segment_ids=seg,
+                                         launch=launch, interpret=interpret,
+                                         block_v=8 if launch == "loop" else None)
+  packed = lambda *a: kda.kda_recurrent(*a[:5], initial_state=a[5], segment_ids=seg)
+  args = (q, k, v, g, beta, s0)
+  o, s = jax.jit(pallas)(*args)
+  o_r, s_r = _recurrent_packed(*args, seg)
+  o_u, _ = _recurrent(*args)
+  assert _rel_err(o_u, o_r) > 0.1           # the resets matter here
+  assert _rel_err(o, o_r) < 1e-5 and _rel_err(s, s_r) < 1e-5
+  for name, a, r in zip(_NAMES, _grads(pallas, args), _grads(packed, args)):
+    assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
+
+
+@jax.jit
+def _recurrent_packed(q, k, v, g, beta, s0, seg):
+  return kda.kda_recurrent(q, k, v, g, beta, initial_state=s0, segment_ids=seg)
