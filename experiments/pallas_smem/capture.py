@@ -1,63 +1,168 @@
 """Capture the Triton IR (TTIR) text of every Pallas kernel lowered for CUDA, via jax.export on CPU.
 
-Step 1 of measuring the kernels' shared memory without a GPU (step 2: measure.py, run with a
-separate Python that has `triton` installed). Usage, from the repo root (jax 0.10.x: the Triton
-lowering runs on a CPU host):
-  .venv/bin/python experiments/pallas_smem/capture.py /tmp/ttir \
+Step 1 of measuring the kernels for sm_90 without a GPU (step 2: measure.py, run with a
+separate Python that has `triton` installed; step 3: `pin`, below). Usage, from the repo root
+(jax 0.10.x: the Triton lowering runs on a CPU host):
+  .venv/bin/python -m experiments.pallas_smem.capture /tmp/ttir \\
       'kda_case(jnp.float32, 128, 128, 16, 64)' 'gmm_case(jnp.float32, 512, 256, 256, 8, (64, 64, 128))'
-Each case is a Python call of kda_case(dtype, K, V, chunk, block_v) or
-gmm_case(dtype, m, k, n, groups, tiling); one .ttir file per kernel lands in the folder.
+Each case is a Python call of kda_case(dtype, K, V, chunk, block_v[, packed]) or
+gmm_case(dtype, m, k, n, groups, tiling); one .ttir file per kernel lands in the folder,
+named `case_tag(spec)__I.ttir` (I: the order of lowering: forward first).
+
+The kernels' own report (docs/sm90_kernels.json, checked by
+tests/pallas_kernels/test_sm90_report.py) pins each measured figure to the sha256 of the TTIR
+it was measured on, so a kernel change without a new measurement fails the tests:
+  .venv/bin/python -m experiments.pallas_smem.capture /tmp/ttir --report     # REPORT_CASES
+  /tmp/tv/bin/python experiments/pallas_smem/measure.py 8 1 /tmp/ttir/kda*.ttir > /tmp/kda.jsonl
+  /tmp/tv/bin/python experiments/pallas_smem/measure.py 4 2 /tmp/ttir/gmm*.ttir > /tmp/gmm.jsonl
+  .venv/bin/python -m experiments.pallas_smem.capture --pin /tmp/ttir /tmp/kda.jsonl /tmp/gmm.jsonl
 """
-import sys, os, json
-import jax, jax.numpy as jnp
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
 from jax import export
-from jax._src.pallas.triton import lowering as tl
-from jax._src.pallas.triton import pallas_call_registration as reg
 
-captured = []
-_orig = tl.lower_jaxpr_to_triton_module
-def _patched(*a, **k):
-  res = _orig(*a, **k)
-  captured.append(res.module.operation.get_asm(enable_debug_info=False))
-  return res
-tl.lower_jaxpr_to_triton_module = _patched
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from pallas_kernels.kda_chunk import kda_chunked_pallas
-from pallas_kernels import moe_gmm
-
-if hasattr(jax.config, "jax_pallas_use_mosaic_gpu"):   # jax 0.10: pick the Triton lowering
-  jax.config.update("jax_pallas_use_mosaic_gpu", False)
 TRITON_CALL = "__gpu$xla.gpu.triton"
+REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "docs", "sm90_kernels.json")
+# The configurations the GPU target runs (pallas_kernels: GPU_MAX_CHUNK, block_v 64,
+# GPU_TILING): K3's and Kimi Linear's KDA heads (K = V = 128) in bf16 and fp32, packed and not;
+# the grouped matmul's tiles in bf16.
+REPORT_CASES = (
+    "kda_case(jnp.bfloat16, 128, 128, 32, 64)",
+    "kda_case(jnp.bfloat16, 128, 128, 32, 64, packed=True)",
+    "kda_case(jnp.float32, 128, 128, 16, 64)",
+    "gmm_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
+)
 
-def exp(fn, args):
+
+@contextlib.contextmanager
+def capturing():
+  """Collects the TTIR text of every Pallas kernel lowered for Triton inside the block."""
+  from jax._src.pallas.triton import lowering as tl
+  captured, orig = [], tl.lower_jaxpr_to_triton_module
+
+  def patched(*a, **k):
+    res = orig(*a, **k)
+    captured.append(res.module.operation.get_asm(enable_debug_info=False))
+    return res
+  tl.lower_jaxpr_to_triton_module = patched
+  try:
+    yield captured
+  finally:
+    tl.lower_jaxpr_to_triton_module = orig
+
+
+def _export(fn, args):
+  if hasattr(jax.config, "jax_pallas_use_mosaic_gpu"):   # jax 0.10: pick the Triton lowering
+    jax.config.update("jax_pallas_use_mosaic_gpu", False)
   export.export(jax.jit(fn), platforms=["cuda"],
                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
 
-def kda_case(dtype, dk, dv, chunk, block_v, t=256):
+
+def kda_case(dtype, dk, dv, chunk, block_v, packed=False, t=256):
+  """Lowers the KDA forward and backward kernels (one head, T tokens; `packed`: 3 documents)."""
+  from pallas_kernels.kda_chunk import kda_chunked_pallas
   s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
   f32 = jnp.float32
   args = (s(1, t, 1, dk), s(1, t, 1, dk), s(1, t, 1, dv), s(1, t, 1, dk, d=f32), s(1, t, 1, d=f32))
+
   def loss(*a):
-    o, st = kda_chunked_pallas(*a, interpret=False, target="gpu", chunk_size=chunk, block_v=block_v)
+    seg = jnp.cumsum(jnp.arange(t) % 91 == 0)[None] if packed else None
+    o, st = kda_chunked_pallas(*a, interpret=False, target="gpu", chunk_size=chunk,
+                               block_v=block_v, segment_ids=seg)
     return jnp.sum(o.astype(f32)) + jnp.sum(st)
-  exp(lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a), args)
+  _export(lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a), args)
+
 
 def gmm_case(dtype, m, k, n, g, tiling):
+  """Lowers the grouped matmul and its two backward kernels."""
+  from pallas_kernels import moe_gmm
   specs = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
            jax.ShapeDtypeStruct((g,), jnp.int32))
+
   def f(lhs, rhs, sizes):
-    return jax.grad(lambda a, b: jnp.sum(moe_gmm.gmm(a, b, sizes, interpret=False, tiling=tiling).astype(jnp.float32) ** 2),
+    return jax.grad(lambda a, b: jnp.sum(moe_gmm.gmm(a, b, sizes, interpret=False,
+                                                     tiling=tiling).astype(jnp.float32) ** 2),
                     argnums=(0, 1))(lhs, rhs)
-  exp(f, specs)
+  _export(f, specs)
+
+
+def case_tag(spec: str) -> str:
+  for a, b in ((" ", ""), ("jnp.", ""), ("(", "_"), (")", ""), (",", "_"), ("=", "")):
+    spec = spec.replace(a, b)
+  return spec
+
+
+def ttir_of(spec: str) -> list[str]:
+  """The TTIR texts of one case, in lowering order."""
+  with capturing() as captured:
+    eval(spec, {"kda_case": kda_case, "gmm_case": gmm_case, "jnp": jnp})   # noqa: S307
+  return list(captured)
+
+
+def sha256(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def pin(ttir_dir: str, *jsonl: str) -> dict:
+  """docs/sm90_kernels.json from measure.py's JSON lines: per case and kernel, the TTIR's
+  sha256 next to its shared memory, registers and spills."""
+  measured = {}
+  for path in jsonl:
+    with open(path) as fh:
+      for line in fh:
+        if line.strip().startswith("{"):
+          rec = json.loads(line)
+          measured[rec["file"]] = rec
+  cases = []
+  for spec in REPORT_CASES:
+    kernels = []
+    for i, text in enumerate(ttir_of(spec)):
+      name = f"{case_tag(spec)}__{i}.ttir"
+      with open(os.path.join(ttir_dir, name)) as fh:
+        if fh.read() != text:
+          raise SystemExit(f"{name}: the TTIR in {ttir_dir} is not what the kernel lowers to now")
+      rec = measured.get(name)
+      if rec is None or "error" in rec:
+        raise SystemExit(f"{name}: no measurement ({rec and rec.get('error')})")
+      kernels.append(dict(ttir_sha256=sha256(text), **{
+          k: rec[k] for k in ("num_warps", "num_stages", "shared", "regs", "spill_stores",
+                              "spill_loads")}))
+    cases.append(dict(case=spec, kernels=kernels))
+  triton = sorted({rec.get("triton", "?") for rec in measured.values()})
+  return dict(target="cuda sm_90a", jax=jax.__version__, triton=",".join(triton),
+              shared_limit=232448, cases=cases)
+
+
+def main(argv):
+  if argv[:1] == ["--pin"]:
+    report = pin(argv[1], *argv[2:])
+    tmp = REPORT + ".tmp"
+    with open(tmp, "w") as fh:
+      json.dump(report, fh, indent=1)
+      fh.write("\n")
+    os.replace(tmp, REPORT)
+    print(f"wrote {REPORT}")
+    return
+  out, specs = argv[0], argv[1:]
+  if specs == ["--report"]:
+    specs = list(REPORT_CASES)
+  os.makedirs(out, exist_ok=True)
+  for spec in specs:
+    for i, txt in enumerate(ttir_of(spec)):
+      p = os.path.join(out, f"{case_tag(spec)}__{i}.ttir")
+      with open(p, "w") as fh:
+        fh.write(txt)
+      print(p, len(txt))
+
 
 if __name__ == "__main__":
-  out = sys.argv[1]; os.makedirs(out, exist_ok=True)
-  for spec in sys.argv[2:]:
-    captured.clear()
-    eval(spec)
-    tag = spec.replace(" ", "").replace("jnp.", "").replace("(", "_").replace(")", "").replace(",", "_").replace("=", "")
-    for i, txt in enumerate(captured):
-      p = os.path.join(out, f"{tag}__{i}.ttir")
-      open(p, "w").write(txt)
-      print(p, len(txt))
+  main(sys.argv[1:])
