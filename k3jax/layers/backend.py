@@ -2,8 +2,9 @@
 
 Layers never branch on the backend themselves: they ask this module for the function.
 "xla" is the pure-jnp path in `k3jax.ops` (runs everywhere, the reference semantics);
-"pallas" the kernels in `pallas_kernels` (interpreted on CPU); "auto" picks Pallas on GPU/TPU
-and XLA on CPU.
+"pallas" the kernels in `pallas_kernels` (interpreted on CPU); "auto" picks per platform the
+fastest path measured correct there (`AUTO`; the measurements: docs/notes/pallas_kda.md,
+"Which path carries which platform").
 
 `kernels(config)` resolves the config's backend once (cached) into a `Kernels` record of plain
 functions. The `*_fn` helpers below are what layers call: they take the record's function and,
@@ -21,10 +22,23 @@ from typing import Callable
 import jax
 
 
+# What "auto" runs on each platform, and why (docs/notes/pallas_kda.md has the figures):
+#   cpu: XLA — Pallas runs interpreted there, a correctness vehicle (bench_kda 1024x4x64,
+#        2026-11-29: forward 2.3x slower; fwd+bwd 1.4x faster, on a loaded machine).
+#   gpu: XLA — the one H200 run (2026-11-30) measured XLA's kda_chunked correct; the Pallas
+#        kernels failed to compile there (shared memory) and their resized forms have not run
+#        on a GPU since. Switch when `experiments/gpu_check.sh` shows them correct and faster.
+#   tpu: Pallas — the Mosaic kernels lower for TPU (export tests) and hold one fp32 state per
+#        chunk as the backward's residual (12 MiB vs XLA's 194 MiB fwd+bwd at 1024x4x64);
+#        speed on a TPU not measured.
+AUTO = {"cpu": "xla", "gpu": "xla", "tpu": "pallas"}
+
+
 def resolve(backend: str) -> str:
-  """"xla" | "pallas" for a `kernel_backend` value; the one place "auto" is decided."""
+  """"xla" | "pallas" for a `kernel_backend` value; the one place "auto" is decided (`AUTO`)."""
   if backend == "auto":
-    return "xla" if jax.default_backend() == "cpu" else "pallas"
+    platform = jax.default_backend()
+    return AUTO.get("gpu" if platform in ("cuda", "rocm") else platform, "xla")
   if backend not in ("xla", "pallas"):
     raise ValueError(f"kernel_backend: expected 'xla', 'pallas' or 'auto', found {backend!r}")
   return backend
