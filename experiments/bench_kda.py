@@ -16,6 +16,7 @@ Usage:
   .venv/bin/python experiments/bench_kda.py --sizes 4096x4x64,16384x8x128 --impls chunked
   .venv/bin/python experiments/bench_kda.py --impls chunked,chunked_packed   # packing's cost
   .venv/bin/python experiments/bench_kda.py --gpu_suite --json        # on an accelerator
+  .venv/bin/python experiments/bench_kda.py --gpu_suite --roofline    # + fractions of the measured ceilings
   --backend=pallas swaps kda_chunked for pallas_kernels.kda_chunk.kda_chunked_pallas.
 
 The last line printed with --json is one JSON object with every row and the goal ratios.
@@ -69,6 +70,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                      "needs more temp memory", **fv)
   flags.DEFINE_integer("max_torch_tokens", 16384,
                        "skip the PyTorch references above this T (they are slow)", **fv)
+  flags.DEFINE_bool("roofline", False, "also measure the device's matmul rate (in --dtype) and "
+                    "memory bandwidth, and report each JAX row's forward FLOPs and bytes over "
+                    "its time as fractions of them", **fv)
   flags.DEFINE_bool("json", False, "print one JSON object as the last line", **fv)
   flags.DEFINE_string("out", None, "also write the JSON object to this path", **fv)
   flags.DEFINE_enum("malloc", "keep", ["keep", "default"],
@@ -192,6 +196,38 @@ def _bench_jax(fn, data, dtype, args):
   return row, out
 
 
+def kda_forward_cost(b, t, h, dk, dv, chunk, dtype):
+  """(FLOPs, bytes) of one chunked KDA forward. FLOPs: the model of `k3jax.train.metrics`
+  (per token and head 2·dk·dv multiply-adds for the state read q·S and update kᵀv, and
+  C·(dk + dv)/2 for the intra-chunk products), ×2 per multiply-add. Bytes: the least any
+  implementation moves: q, k, v, beta in `dtype` and g in fp32 read once, o in `dtype` and the
+  fp32 final state written once."""
+  isz = {"bfloat16": 2, "float16": 2}.get(str(dtype)) or np.dtype(dtype).itemsize
+  flops = 2.0 * b * t * h * (2 * dk * dv + chunk * (dk + dv) / 2)
+  per_token = h * (isz * (2 * dk + dv + 1) + 4 * dk + isz * dv)
+  return flops, float(b * t * per_token + b * h * dk * dv * 4)
+
+
+def device_ceilings(dtype, repeats=5):
+  """{matmul_flops_per_s, memory_bytes_per_s} of the default device, measured now: the best
+  jitted square matmul in `dtype` (1024² on a CPU, 8192² elsewhere: `metrics.matmul_peak`) and
+  the best jitted `x + 1` over a 1 GiB fp32 array (64 MiB on a CPU), which reads and writes
+  every byte once."""
+  import jax
+  import jax.numpy as jnp
+  from k3jax.train import metrics
+  cpu = jax.default_backend() == "cpu"
+  peak = metrics.matmul_peak(n=1024 if cpu else 8192, repeats=repeats, dtype=jnp.dtype(dtype))
+  x = jnp.zeros(((16 if cpu else 256) * 2**20,), jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  best = _median_time(lambda: jax.block_until_ready(f(x)), 1)
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    best = min(best, time.perf_counter() - t0)
+  return dict(matmul_flops_per_s=peak, memory_bytes_per_s=2.0 * x.nbytes / best)
+
+
 # ----------------------------------------------------------------------------- PyTorch
 
 
@@ -290,6 +326,10 @@ def run(args):
     impls = ["chunked", "pallas", "fla_chunk"]
   device = jax.default_backend()
   rows, unavailable = [], {}
+  ceilings = device_ceilings(dtype) if args.roofline else None
+  if ceilings:
+    print(f"  ceilings: matmul {ceilings['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s ({dtype}), "
+          f"memory {ceilings['memory_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
   for t, h, d in _sizes(args):
     data = _inputs(args.batch, t, h, d)
     ref_out = None
@@ -318,6 +358,10 @@ def run(args):
       for key in ("fwd", "fwdbwd"):
         s = row.get(f"{key}_s")
         row[f"{key}_tokens_per_s"] = None if s is None else tokens / s
+      if ceilings and row.get("fwd_s") and name in ("chunked", "pallas", "recurrent"):
+        flops, nbytes = kda_forward_cost(args.batch, t, h, d, d, args.chunk_size, dtype)
+        row["fwd_flops_fraction"] = flops / row["fwd_s"] / ceilings["matmul_flops_per_s"]
+        row["fwd_bytes_fraction"] = nbytes / row["fwd_s"] / ceilings["memory_bytes_per_s"]
       if name == "chunked" and out is not None:
         ref_out = out
       if out is not None and ref_out is not None and name != "chunked_packed":
@@ -327,7 +371,7 @@ def run(args):
             f" tok/s  fwd+bwd {_fmt_rate(tokens, row.get('fwdbwd_s')):>12s} tok/s", flush=True)
   return dict(device=device, dtype=dtype, chunk_size=args.chunk_size, backend=args.backend,
               jax_version=jax.__version__, cpu_count=os.cpu_count(), rows=rows,
-              unavailable=unavailable, goals=_goals(rows))
+              unavailable=unavailable, goals=_goals(rows), ceilings=ceilings)
 
 
 def _goals(rows):
@@ -372,6 +416,11 @@ def _print_table(result):
           f"{'-' if err is None else f'{err:.1e}':>8s}")
   for name, why in result["unavailable"].items():
     print(f"unavailable: {name}: {why}")
+  for r in result["rows"]:
+    if "fwd_flops_fraction" in r:
+      print(f"roofline {r['impl']} T={r['T']} H={r['H']} K={r['K']}: forward at "
+            f"{100 * r['fwd_flops_fraction']:.1f}% of the matmul rate, "
+            f"{100 * r['fwd_bytes_fraction']:.1f}% of the memory bandwidth")
   print("\ngoals (chunked): fwd+bwd speed / fastest torch (>= 10), fwd+bwd memory / recurrent "
         "(<= 1/8 at 16K), fwd speed / recurrent (>= 0.5)")
   f = lambda x: "-" if x is None else f"{x:.3g}"

@@ -9,11 +9,16 @@
 #      and the recurrence: tests/pallas_kernels/test_kda_chunk.py, then test_moe_gmm.py and the
 #      export tests (jax.export lowering with the machine's jax);
 #   3. python -m experiments.bench_kda --gpu_suite (B=1, H=96, K=V=128, bf16, T=8K then 32K:
-#      XLA chunked vs Pallas vs flash-linear-attention's Triton chunk_kda), one run per T;
-#      then the CPU set's 16K sizes in fp32: chunked vs recurrent vs fla's naive_chunk_kda;
-#   4. python -m experiments.bench_moe --json.
-# Everything lands in $OUT (8 files at most): summary.txt, env.txt, tests.log,
-# bench_kda.log, bench_kda_8k.json, bench_kda_32k.json, bench_kda_16k_fp32.json, bench_moe.log.
+#      XLA chunked vs Pallas vs flash-linear-attention's Triton chunk_kda), one run per T; at
+#      8K with --roofline (the forward's FLOPs and bytes over its time, as fractions of the
+#      matmul rate and memory bandwidth measured in the same process);
+#   4. python -m experiments.bench_moe at the issue's shape: SiTU-GLU experts E 64, k 8,
+#      D = F = 2048, 16K tokens, bf16, fwd+bwd vs a dense MLP of equal active FLOPs (sorted
+#      dropless, capacity 1.1, ragged_dot, Pallas gmm);
+#   5. one training run of configs/gpu_1b.py (~1B-parameter K3-shaped, bf16): tokens/s and MFU
+#      against the bf16 matmul rate measured at start-up (metrics.jsonl per step).
+# Everything lands in $OUT (8 files at most): summary.txt, env.txt, tests.log, bench.log (every
+# benchmark's output), bench_kda_8k.json, bench_kda_32k.json, bench_moe.json, train_1b.jsonl.
 # Needs `.whl/` carried: flash_linear_attention-0.6.0 and fla_core-0.6.0 wheels (pure Python;
 # torch, triton, einops and transformers are on the machine). See docs/notes/pallas_kda.md.
 #
@@ -34,19 +39,26 @@ TESTENV="env JAX_DEFAULT_MATMUL_PRECISION=highest"
 
 DRY="${GPU_CHECK_DRY:-0}"
 if [ "$DRY" = "1" ]; then
-  PLATFORM=cpu; T_ENV=60; T_TESTS=240; T_MOE_TESTS=120; T_KDA8=120; T_KDA32=5; T_SMALL=120
-  T_MOE=120
-  KDA_SMALL_ARGS="--sizes 256x2x64 --impls chunked,recurrent,fla_naive --repeats 1"
-  KDA_8K_ARGS="--sizes 256x2x64 --impls chunked,pallas --repeats 1"
+  # CPU rehearsal: every part, at shapes a 2-core machine runs in minutes.
+  PLATFORM=cpu; T_ENV=60; T_TESTS=400; T_MOE_TESTS=200; T_KDA8=120; T_KDA32=5; T_MOE=200
+  T_TRAIN=400
+  KDA_8K_ARGS="--sizes 256x2x64 --impls chunked,pallas --repeats 1 --roofline"
   KDA_32K_ARGS="--sizes 512x2x64 --impls chunked,pallas --repeats 1"
+  MOE_ARGS="--tokens 512 --dim 64 --ffn 64 --dtype bfloat16 --repeats 1"
+  TRAIN_ARGS="--config.train.steps=2 --config.train.seq_len=64 --config.train.batch_size=1
+    --config.model.d_model=128 --config.model.num_layers=4 --config.model.kda_num_heads=1
+    --config.model.num_heads=1 --config.model.num_experts=8 --config.model.experts_per_token=2
+    --config.model.moe_intermediate_size=64 --config.model.latent_moe_dim=64
+    --config.model.dense_intermediate_size=256 --config.model.q_lora_rank=64
+    --config.model.kv_lora_rank=64"
 else
-  # Limits (s): 20 + 110 + 40 + 100 + 80 + 60 + 60 = 470 at worst (< 8 minutes).
-  PLATFORM=cuda; T_ENV=20; T_TESTS=110; T_MOE_TESTS=40; T_KDA8=100; T_KDA32=80; T_SMALL=60
-  T_MOE=60
-  KDA_8K_ARGS="--gpu_suite --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000"
+  # Limits (s): 20 + 95 + 40 + 100 + 65 + 60 + 90 = 470 at worst (< 8 minutes).
+  PLATFORM=cuda; T_ENV=20; T_TESTS=95; T_MOE_TESTS=40; T_KDA8=100; T_KDA32=65; T_MOE=60
+  T_TRAIN=90
+  KDA_8K_ARGS="--gpu_suite --roofline --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000"
   KDA_32K_ARGS="--gpu_suite --sizes 32768x96x128 --max_run_gib 60 --max_torch_tokens 40000 --repeats 2"
-  # The CPU benchmark's 16K sizes (fp32): chunked vs the recurrent scan vs fla's naive chunk.
-  KDA_SMALL_ARGS="--sizes 16384x4x64,16384x8x128 --impls chunked,recurrent,fla_naive --repeats 5"
+  MOE_ARGS="--tokens 16384 --dim 2048 --ffn 2048 --dtype bfloat16 --repeats 5"
+  TRAIN_ARGS="--config.train.steps=4"
 fi
 export JAX_PLATFORMS="$PLATFORM"
 
@@ -97,19 +109,20 @@ if [ -f tests/pallas_kernels/test_moe_gmm.py ]; then
 fi
 
 # 3. KDA benchmark, one process per T (a 32K failure or timeout keeps the 8K figures).
-run bench_kda_8k "$T_KDA8" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda $KDA_8K_ARGS \
+run bench_kda_8k "$T_KDA8" "$OUT/bench.log" "$PY" -m experiments.bench_kda $KDA_8K_ARGS \
   --json --out "$OUT/bench_kda_8k.json"
-run bench_kda_32k "$T_KDA32" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda $KDA_32K_ARGS \
+run bench_kda_32k "$T_KDA32" "$OUT/bench.log" "$PY" -m experiments.bench_kda $KDA_32K_ARGS \
   --json --out "$OUT/bench_kda_32k.json"
 
-run bench_kda_16k_fp32 "$T_SMALL" "$OUT/bench_kda.log" "$PY" -m experiments.bench_kda \
-  $KDA_SMALL_ARGS --json --out "$OUT/bench_kda_16k_fp32.json"
+# 4. Expert MLP vs a dense MLP of equal active FLOPs (no ragged_dot/QAT extras, no layer row).
+run bench_moe "$T_MOE" "$OUT/bench.log" "$PY" -m experiments.bench_moe $MOE_ARGS \
+  --methods sort,sort@1.1,ragged,gmm --small_methods= --nolayer --noextras --json \
+  --out "$OUT/bench_moe.json"
 
-# 4. MoE benchmark.
-if [ -f experiments/bench_moe.py ]; then
-  run bench_moe "$T_MOE" "$OUT/bench_moe.log" "$PY" -m experiments.bench_moe --json
-else
-  log "skip bench_moe: experiments/bench_moe.py not in the tree"
-fi
+# 5. A ~1B K3-shaped model's training steps (tokens/s, MFU per step in metrics.jsonl).
+rm -rf /tmp/gpu_check_1b
+run train_1b "$T_TRAIN" "$OUT/bench.log" "$PY" -m experiments.train --config=configs/gpu_1b.py \
+  --workdir=/tmp/gpu_check_1b $TRAIN_ARGS
+cp /tmp/gpu_check_1b/metrics.jsonl "$OUT/train_1b.jsonl" 2>/dev/null || log "no train_1b metrics"
 
 log "done in $(( $(date +%s) - START ))s; files: $(ls "$OUT" | tr '\n' ' ')"

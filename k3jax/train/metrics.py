@@ -11,7 +11,8 @@ N_active counts every parameter a token multiplies: all kernels except the embed
 tower and projector are left out (they run per patch, not per text token: MFU counts the
 language model's FLOPs only). The MTP
 layer (run in training) is included. MFU = FLOPs/token · tokens/s ÷ peak, where the peak is
-measured at start-up in the same process: the best of a few jitted fp32 matmuls (`matmul_peak`).
+measured at start-up in the same process: the best of a few jitted matmuls in the model's
+compute dtype (`matmul_peak`; 1024² on a CPU, 8192² on an accelerator).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ DOCUMENTED = [
     "--gpu_suite --sizes 32768x96x128 --max_run_gib 60 --max_torch_tokens 40000 --repeats 2",
     "--sizes 16384x4x64,16384x8x128 --impls chunked,recurrent,fla_naive --repeats 5",
     "--sizes 8192x16x128 --impls chunked,pallas --repeats 2",
+    "--gpu_suite --roofline --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000 "
+    "--json --out /tmp/bench_kda_8k.json",
     "--malloc keep",
     "--malloc default --batch 2 --dtype bfloat16",
 ]
@@ -69,11 +71,20 @@ def test_flag_values_and_defaults():
       _flags(bad)
 
 
+def test_forward_cost_model():
+  """K3's shape, bf16: FLOPs 2·H·(2·K·V + C·(K+V)/2) per token; bytes q, k, v, beta, o in
+  bf16 and g fp32 per token, plus the fp32 final state."""
+  flops, nbytes = bench.kda_forward_cost(1, 8192, 96, 128, 128, 64, "bfloat16")
+  assert flops == 2 * 8192 * 96 * (2 * 128 * 128 + 64 * 128)
+  assert nbytes == 8192 * 96 * (2 * (3 * 128 + 1) + 4 * 128 + 2 * 128) + 96 * 128 * 128 * 4
+  assert bench.kda_forward_cost(2, 8192, 96, 128, 128, 64, "float32")[0] == 2 * flops
+
+
 def test_tiny_run_as_a_script(tmp_path):
   out = tmp_path / "r.json"
   r = subprocess.run(
       [sys.executable, "-m", "experiments.bench_kda", "--sizes", "128x2x16", "--impls",
-       "chunked,recurrent", "--repeats", "1", "--json", "--out", str(out)],
+       "chunked,recurrent", "--repeats", "1", "--roofline", "--json", "--out", str(out)],
       cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   result = json.loads(r.stdout.strip().splitlines()[-1])
@@ -81,3 +92,9 @@ def test_tiny_run_as_a_script(tmp_path):
   assert [(row["impl"], row["T"], row["H"], row["K"]) for row in result["rows"]] == [
       ("chunked", 128, 2, 16), ("recurrent", 128, 2, 16)]
   assert result["rows"][1]["max_abs_err_vs_chunked"] < 1e-4
+  # --roofline: the measured ceilings and each row's forward as a fraction of them (a fraction
+  # of a measured ceiling is below 1 unless the cost model overcounts).
+  ceil = result["ceilings"]
+  assert ceil["matmul_flops_per_s"] > 1e8 and ceil["memory_bytes_per_s"] > 1e8
+  for row in result["rows"]:
+    assert 0 < row["fwd_flops_fraction"] < 1 and 0 < row["fwd_bytes_fraction"] < 1, row
