@@ -3,6 +3,10 @@
   gmm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]
       rows are sorted by group: rows [o_g, o_g + group_sizes[g]) use rhs[g]
       (o_g = Σ_{h<g} group_sizes[h]); rows at or past Σ group_sizes give zeros.
+  gmm(lhs [M, K], MXFP4Weight(packed [G, N, K/2], scale [G, N, K/32]), group_sizes) -> [M, N]
+      the same product with the experts kept as the release's MXFP4 bytes, dequantised tile
+      by tile inside the kernel (never widened in memory); `k3jax.quant.mx.unpack_expert`'s
+      values exactly, the products summed in another order.
   tgmm(lhs [M, K], grad [M, N], group_sizes [G]) -> [G, K, N]
       the weight gradient: out[g] = lhs[rows of g]ᵀ · grad[rows of g] (zero for empty groups).
 
@@ -18,6 +22,12 @@ block (Triton runs grid points concurrently; TPU would allow revisiting, Triton 
         per-row group ids); loop over those groups and over K in bk chunks, masking rows of other
         groups to zero: the wasted work is one extra masked product per group boundary.
   tgmm: grid (G, K/bk, N/bn); loop over the row tiles [o_g, o_g + size_g) of group g only.
+  gmm on MXFP4: grid (M/bm, N/bn) as gmm; the K loop runs over 32-element MX blocks (one E8M0
+        scale per output column). Two E2M1 codes share a byte (element 2i low nibble, 2i+1
+        high), so the lhs comes in as its even and odd columns (split by XLA) and each block
+        is two dots of width 16: lhs_even · lo-nibbles + lhs_odd · hi-nibbles, no interleave in
+        the kernel. Its backward (d lhs) dequantises in XLA and runs the dense gmm; the packed
+        bytes take no gradient (a frozen base).
 All dims are padded to the tile sizes (powers of two, ≥ 16, as Triton's `dot` needs); products
 accumulate in fp32 and results are cast to the input dtype.
 Limits (not done): full-extent row/K/N operands are passed whole (memory space = the default
@@ -60,6 +70,7 @@ DEFAULT_TILING = (128, 128, 128)  # (bm, bk, bn): TPU and interpret mode
 GPU_TILING = (64, 64, 128)
 GPU_NUM_WARPS = 4
 GPU_NUM_STAGES = 2
+MX_BLOCK = 32   # MXFP4: elements per E8M0 scale along the contraction axis (K)
 
 
 def _pow2_at_least(n: int, lo: int = 16) -> int:
@@ -138,6 +149,61 @@ def _gmm_kernel(rg_ref, lhs_ref, rhs_ref, out_ref, *, num_groups, bk, num_k):
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
+def _e2m1(codes):
+  """E2M1 codes (int32, 0..15) → their values (fp32): sign · (e = 0: m/2; else (1 + m/2)·2^(e−1)),
+  by selects only (no table gather, no bit casts: both kernel lowerings take it)."""
+  e = jnp.right_shift(codes, 1) & 3
+  m = (codes & 1).astype(jnp.float32)
+  pow2 = jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0))
+  mag = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+  return jnp.where((jnp.right_shift(codes, 3) & 1) == 1, -mag, mag)
+
+
+def _e8m0(scale):
+  """E8M0 bytes (int32) → 2^(byte − 127) as fp32 (byte 255: NaN), exact: a product of powers of
+  two selected bit by bit (no exp2, whose hardware form is approximate). Byte 0 gives 2^−127,
+  which the dequantiser on XLA's backends flushes to zero; blocks with byte ≤ 1 hold weights
+  under 2^−124 (`k3jax.quant.mx.mxfp4_unpack_fast`)."""
+  x = scale - 127
+  mag, neg = jnp.abs(x), x < 0
+  f = jnp.ones(scale.shape, jnp.float32)
+  for bit in range(7):        # |x| ≤ 127: each factor 2^(±2^bit) is a normal fp32
+    up, down = float(2.0 ** (1 << bit)), float(2.0 ** -(1 << bit))
+    f = f * jnp.where((jnp.right_shift(mag, bit) & 1) == 1, jnp.where(neg, down, up), 1.0)
+  return jnp.where(scale == 255, jnp.nan, f)
+
+
+def _gmm_mxfp4_kernel(rg_ref, even_ref, odd_ref, packed_ref, scale_ref, out_ref, *, num_groups,
+                      num_blocks):
+  rg = rg_ref[...]                                   # [bm, 1] int32 (sorted)
+  lo = jnp.min(rg)
+  hi = jnp.max(jnp.where(rg < num_groups, rg, -1))
+  half = MX_BLOCK // 2
+  dims = (((1,), (1,)), ((), ()))                   # a [bm, 16] · b [bn, 16]ᵀ
+
+  def group_body(g, acc):
+    mask = rg == g
+
+    def k_body(kk, acc):
+      cols = pl.ds(pl.multiple_of(kk * half, half), half)
+      codes = packed_ref[g, :, cols].astype(jnp.int32)           # [bn, 16] two codes a byte
+      factor = _e8m0(scale_ref[g, :, pl.ds(kk, 1)].astype(jnp.int32))   # [bn, 1]
+      dt = even_ref.dtype
+      b_lo = (_e2m1(codes & 15) * factor).astype(dt)             # elements 2i
+      b_hi = (_e2m1(jnp.right_shift(codes, 4)) * factor).astype(dt)   # elements 2i + 1
+      prod = (jax.lax.dot_general(even_ref[:, cols], b_lo, dims,
+                                  preferred_element_type=jnp.float32)
+              + jax.lax.dot_general(odd_ref[:, cols], b_hi, dims,
+                                    preferred_element_type=jnp.float32))
+      return acc + jnp.where(mask, prod, 0.0)
+
+    return jax.lax.fori_loop(0, num_blocks, k_body, acc)
+
+  acc = jnp.zeros(out_ref.shape, jnp.float32)
+  acc = jax.lax.fori_loop(lo, hi + 1, group_body, acc)
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
 def _tgmm_kernel(rg_ref, lhs_ref, grad_ref, out_ref, *, bm):
   g = pl.program_id(0)
   rg = rg_ref[...]                                   # [M_pad, 1] int32 (sorted)
@@ -180,6 +246,33 @@ def _gmm_call(lhs, rhs, group_sizes, interpret, tiling):
       interpret=interpret,
       compiler_params=_compiler_params(interpret),
   )(rg, lhs_p, rhs_p)
+  return out[:m, :n]
+
+
+def _gmm_mxfp4_call(lhs, packed, scale, group_sizes, interpret, tiling):
+  m, k = lhs.shape
+  g, n, _ = packed.shape
+  bm, bn = _tile(m, tiling[0]), _tile(n, tiling[2])
+  mp, np_ = _round_up(m, bm), _round_up(n, bn)
+  lhs_p = _pad_to(lhs, 0, mp)
+  even, odd = lhs_p[:, 0::2], lhs_p[:, 1::2]          # [Mp, K/2] each
+  packed_p = _pad_to(packed, 1, np_)                  # padded columns: code 0, scale 0 → 0
+  scale_p = _pad_to(scale, 1, np_)
+  rg = _row_groups(group_sizes, mp)
+  kernel = functools.partial(_gmm_mxfp4_kernel, num_groups=g, num_blocks=k // MX_BLOCK)
+  out = pl.pallas_call(
+      kernel,
+      grid=(mp // bm, np_ // bn),
+      in_specs=[pl.BlockSpec((bm, 1), lambda i, j: (i, 0)),
+                pl.BlockSpec((bm, k // 2), lambda i, j: (i, 0)),
+                pl.BlockSpec((bm, k // 2), lambda i, j: (i, 0)),
+                pl.BlockSpec((g, bn, k // 2), lambda i, j: (0, j, 0)),
+                pl.BlockSpec((g, bn, k // MX_BLOCK), lambda i, j: (0, j, 0))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((mp, np_), lhs.dtype),
+      interpret=interpret,
+      compiler_params=_compiler_params(interpret),
+  )(rg, even, odd, packed_p, scale_p)
   return out[:m, :n]
 
 
@@ -237,15 +330,54 @@ def _gmm_bwd(interpret, tiling, res, d_out):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm_mxfp4(lhs, packed, scale, group_sizes, interpret, tiling):
+  return _gmm_mxfp4_call(lhs, packed, scale, group_sizes, interpret, tiling)
+
+
+def _gmm_mxfp4_fwd(lhs, packed, scale, group_sizes, interpret, tiling):
+  out = _gmm_mxfp4_call(lhs, packed, scale, group_sizes, interpret, tiling)
+  return out, (packed, scale, group_sizes)
+
+
+def _gmm_mxfp4_bwd(interpret, tiling, res, d_out):
+  packed, scale, group_sizes = res
+  dtype = d_out.dtype                                # the output's dtype = lhs's
+  # d lhs = d out · Wᵀ with W [G, K, N] dequantised by XLA (the backward of a frozen base).
+  w_t = moe_ops.MXFP4Weight(packed, scale).dequantize(dtype)      # [G, K, N]
+  d_lhs = _gmm_call(d_out.astype(dtype), jnp.swapaxes(w_t, 1, 2), group_sizes, interpret,
+                    tiling)
+  return d_lhs, None, None, None
+
+
+_gmm_mxfp4.defvjp(_gmm_mxfp4_fwd, _gmm_mxfp4_bwd)
+
+
 def gmm(lhs: Array, rhs: Array, group_sizes: Array, *, interpret: bool | None = None,
         tiling: tuple[int, int, int] | None = None) -> Array:
   """Grouped matmul: [M, K] rows sorted by group × rhs [G, K, N] → [M, N] (module docstring).
 
+  rhs may be a `k3jax.ops.moe.MXFP4Weight` (packed [G, N, K/2], scale [G, N, K/32], logically
+  [G, K, N]): dequantised inside the kernel; differentiable in lhs only.
   `interpret=None` → interpreted on CPU, compiled elsewhere. `tiling` = (bm, bk, bn), rounded
   to powers of two and shrunk for small dims; None → GPU_TILING when compiled for a GPU,
-  DEFAULT_TILING otherwise. Differentiable in lhs and rhs.
+  DEFAULT_TILING otherwise (bk unused on MXFP4: the K step is one 32-element block).
+  Differentiable in lhs and rhs.
   """
   _check(lhs, rhs, group_sizes, "gmm")
+  if isinstance(rhs, moe_ops.MXFP4Weight):
+    g, n, half = rhs.packed.shape if rhs.packed.ndim == 3 else (None, None, None)
+    if (g is None or half * 2 != lhs.shape[1] or rhs.packed.dtype != jnp.uint8
+        or rhs.scale.dtype != jnp.uint8 or rhs.scale.shape != (g, n, half * 2 // MX_BLOCK)):
+      raise ValueError(f"gmm: an MXFP4Weight rhs must be uint8 packed [G, N, K/2 = "
+                       f"{lhs.shape[1] // 2}] + uint8 scale [G, N, K/32], found "
+                       f"{rhs.packed.dtype} {rhs.packed.shape} + {rhs.scale.dtype} "
+                       f"{rhs.scale.shape}")
+    if group_sizes.shape[0] != g:
+      raise ValueError(f"gmm: group_sizes must be [G={g}], found {group_sizes.shape}")
+    interp = _resolve_interpret(interpret)
+    return _gmm_mxfp4(lhs, rhs.packed, rhs.scale, group_sizes.astype(jnp.int32), interp,
+                      _resolve_tiling(tiling, interp))
   if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
     raise ValueError(f"gmm: rhs must be [G, K={lhs.shape[1]}, N], found shape {rhs.shape}")
   if group_sizes.shape[0] != rhs.shape[0]:
@@ -265,6 +397,9 @@ def tgmm(lhs: Array, grad: Array, group_sizes: Array, *, interpret: bool | None 
   return _tgmm_call(lhs, grad.astype(lhs.dtype), group_sizes.astype(jnp.int32), interp,
                     _resolve_tiling(tiling, interp))
 
+
+# `expert_mlp` passes MXFP4Weight experts to a grouped matmul that says it takes them.
+gmm.takes_mxfp4 = True
 
 # The permute / unpermute pair around the grouped matmuls lives with the op (kernels build on
 # ops); re-exported here so kernel users find it beside `gmm`.

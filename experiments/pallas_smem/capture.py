@@ -5,8 +5,8 @@ separate Python that has `triton` installed; step 3: `pin`, below). Usage, from 
 (jax 0.10.x: the Triton lowering runs on a CPU host):
   .venv/bin/python -m experiments.pallas_smem.capture /tmp/ttir \\
       'kda_case(jnp.float32, 128, 128, 16, 64)' 'gmm_case(jnp.float32, 512, 256, 256, 8, (64, 64, 128))'
-Each case is a Python call of kda_case(dtype, K, V, chunk, block_v[, packed]) or
-gmm_case(dtype, m, k, n, groups, tiling); one .ttir file per kernel lands in the folder,
+Each case is a Python call of kda_case(dtype, K, V, chunk, block_v[, packed]),
+gmm_case(dtype, m, k, n, groups, tiling) or gmm_mxfp4_case(same); one .ttir file per kernel lands in the folder,
 named `case_tag(spec)__I.ttir` (I: the order of lowering: forward first).
 
 The kernels' own report (docs/sm90_kernels.json, checked by
@@ -14,7 +14,7 @@ tests/pallas_kernels/test_sm90_report.py) pins each measured figure to the sha25
 it was measured on, so a kernel change without a new measurement fails the tests:
   .venv/bin/python -m experiments.pallas_smem.capture /tmp/ttir --report     # REPORT_CASES
   /tmp/tv/bin/python experiments/pallas_smem/measure.py 8 1 /tmp/ttir/kda*.ttir > /tmp/kda.jsonl
-  /tmp/tv/bin/python experiments/pallas_smem/measure.py 4 2 /tmp/ttir/gmm*.ttir > /tmp/gmm.jsonl
+  /tmp/tv/bin/python experiments/pallas_smem/measure.py 4 2 /tmp/ttir/gmm*.ttir > /tmp/gmm.jsonl   # gmm_mxfp4 too
   .venv/bin/python -m experiments.pallas_smem.capture --pin /tmp/ttir /tmp/kda.jsonl /tmp/gmm.jsonl
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ REPORT_CASES = (
     "kda_case(jnp.bfloat16, 128, 128, 32, 64, packed=True)",
     "kda_case(jnp.float32, 128, 128, 16, 64)",
     "gmm_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
+    "gmm_mxfp4_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
 )
 
 
@@ -95,6 +96,17 @@ def gmm_case(dtype, m, k, n, g, tiling):
   _export(f, specs)
 
 
+def gmm_mxfp4_case(dtype, m, k, n, g, tiling):
+  """Lowers the grouped matmul over MXFP4 experts (forward only: its backward is the dense
+  gmm, measured by gmm_case)."""
+  from k3jax.ops.moe import MXFP4Weight
+  from pallas_kernels import moe_gmm
+  specs = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
+           jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8), jax.ShapeDtypeStruct((g,), jnp.int32))
+  _export(lambda a, p, s, sizes: moe_gmm.gmm(a, MXFP4Weight(p, s), sizes, interpret=False,
+                                             tiling=tiling), specs)
+
+
 def case_tag(spec: str) -> str:
   for a, b in ((" ", ""), ("jnp.", ""), ("(", "_"), (")", ""), (",", "_"), ("=", "")):
     spec = spec.replace(a, b)
@@ -104,7 +116,8 @@ def case_tag(spec: str) -> str:
 def ttir_of(spec: str) -> list[str]:
   """The TTIR texts of one case, in lowering order."""
   with capturing() as captured:
-    eval(spec, {"kda_case": kda_case, "gmm_case": gmm_case, "jnp": jnp})   # noqa: S307
+    eval(spec, {"kda_case": kda_case, "gmm_case": gmm_case, "gmm_mxfp4_case": gmm_mxfp4_case,
+                "jnp": jnp})   # noqa: S307
   return list(captured)
 
 

@@ -106,18 +106,18 @@ def expert_mlp_fn(config):
   `k3jax.sharding.activate(mesh)` with expert > 1 — its expert-parallel form (all_to_all
   dispatch, k3jax/parallel/expert.py) running the same grouped matmul, same signature.
 
-  `expert_format="mxfp4"`: the sorted XLA path (`ops.moe.expert_mlp` with gmm=None), which
-  dequantises packed experts a chunk at a time inside the computation, on every backend: the
-  grouped-matmul kernels take dense weights (a Pallas gmm dequantising in its tiles is the
-  fused form still to come). Adapted experts (LoRA target "experts") take that path too."""
+  `expert_format="mxfp4"`: on "pallas" the Pallas gmm, which dequantises the packed experts
+  tile by tile inside its kernel; on "xla" the sorted path (`ops.moe.expert_mlp` with
+  gmm=None), which dequantises them a chunk at a time inside the computation. Adapted experts
+  (LoRA target "experts") take the sorted path on every backend."""
   from k3jax.ops.moe import expert_mlp
   from k3jax.parallel.expert import maybe_expert_parallel
   # Per-expert LoRA adapters take the same sorted path: their rank-wide grouped matmuls are
   # below the kernels' tile widths.
   lora_experts = getattr(config, "lora_rank", 0) > 0 and "experts" in config.lora_targets
-  if getattr(config, "expert_format", "bf16") == "mxfp4" or lora_experts:
-    return maybe_expert_parallel(expert_mlp, gmm=None)
   ks = kernels(config)
+  if lora_experts:
+    return maybe_expert_parallel(expert_mlp, gmm=None)
   return maybe_expert_parallel(ks.expert_mlp, gmm=ks.gmm)
 
 

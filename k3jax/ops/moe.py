@@ -29,7 +29,8 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
   (`ModelConfig.expert_format="mxfp4"`). Every w1/w3/w2 argument above may be one: the sorted
   path and `batched_experts` dequantise it inside the computation, a chunk of experts (or one
   tile's expert) at a time (`DEQUANT_CHUNK_ELEMENTS`), so all experts never exist in bf16 at
-  once; the reference dequantises everything first. A `gmm` does not take packed weights.
+  once; the reference dequantises everything first. A `gmm` takes packed weights only when it
+  says so (`gmm.takes_mxfp4`: `pallas_kernels.moe_gmm.gmm` dequantises tiles in its kernel).
 - `ops.lora.LoRAExperts(base, a, b)`: an expert matrix (array or MXFP4Weight) with a per-expert
   adapter; every path computes x·W_e + (x·A_e)·b_e in factored form (grouped: two more `gmm`
   calls), packed bases dequantised a chunk at a time as above (QLoRA); the reference merges
@@ -356,9 +357,11 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
         f"expert_mlp: weights must be [N, k]={indices.shape}, found shape {weights.shape}")
   if gmm is not None and not callable(gmm):
     raise ValueError(f"expert_mlp: gmm must be a grouped matmul function or None, found {gmm!r}")
-  if gmm is not None and any(map(is_packed, (w1, w3, w2))):
-    raise ValueError("expert_mlp: a grouped matmul (gmm) takes dense weights, found MXFP4Weight "
-                     "experts; pass gmm=None (the sorted path dequantises them in chunks)")
+  if (gmm is not None and any(map(is_packed, (w1, w3, w2)))
+      and not getattr(gmm, "takes_mxfp4", False)):
+    raise ValueError("expert_mlp: this grouped matmul (gmm) takes dense weights, found "
+                     "MXFP4Weight experts; pass gmm=None (the sorted path dequantises them in "
+                     "chunks) or a gmm with `takes_mxfp4` (pallas_kernels.moe_gmm.gmm)")
   for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
     if is_lora(w):
       e_, din, dout = w.shape

@@ -41,6 +41,12 @@ def test_moe_kernel():
   assert pallas.expert_mlp.func is moe.expert_mlp
   assert pallas.expert_mlp.keywords == {"gmm": moe_gmm.gmm}
   assert backend.expert_mlp_fn(preset("tiny", kernel_backend="pallas")) is pallas.expert_mlp
+  # Packed MXFP4 experts: the Pallas gmm dequantises them in its kernel; XLA's sorted path
+  # dequantises a chunk at a time.
+  assert moe_gmm.gmm.takes_mxfp4
+  assert backend.expert_mlp_fn(preset("tiny", kernel_backend="pallas",
+                                      expert_format="mxfp4")) is pallas.expert_mlp
+  assert backend.expert_mlp_fn(preset("tiny", expert_format="mxfp4")) is moe.expert_mlp
 
 
 def test_kernels_resolved_once_per_config():
