@@ -16,7 +16,7 @@ Usage:
   .venv/bin/python experiments/bench_kda.py --sizes 4096x4x64,16384x8x128 --impls chunked
   .venv/bin/python experiments/bench_kda.py --impls chunked,chunked_packed   # packing's cost
   .venv/bin/python experiments/bench_kda.py --gpu_suite --json        # on an accelerator
-  .venv/bin/python experiments/bench_kda.py --gpu_suite --roofline    # + fractions of the measured ceilings
+  .venv/bin/python experiments/bench_kda.py --gpu_suite --roofline    # + shares of the ceilings
   --backend=pallas swaps kda_chunked for pallas_kernels.kda_chunk.kda_chunked_pallas.
 
 The last line printed with --json is one JSON object with every row and the goal ratios.

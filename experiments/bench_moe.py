@@ -17,8 +17,9 @@ direct `mx.fake_round` vs the codec round trip it equals); and the whole StableL
 layer (`small` config, router + shared experts + latent projections) when it exists.
 In fp32 unless `--dtype=bfloat16` (inputs and weights of the expert and dense MLPs; the
 ragged_dot and QAT rows stay fp32); `--noextras` skips the ragged_dot and QAT rows (the GPU
-check at the issue's shape: `--tokens 16384 --dim 2048 --ffn 2048 --dtype bfloat16`). One process; time = min over repeats (the machine may be shared: the load
-average is printed and stored, and ratios are the figures to compare).
+check at the issue's shape: `--tokens 16384 --dim 2048 --ffn 2048 --dtype bfloat16`). One
+process; time = min over repeats (the machine may be shared: the load average is printed and
+stored, and ratios are the figures to compare).
 """
 
 from __future__ import annotations
@@ -333,7 +334,8 @@ def main(argv):
   if FLAGS.extras:
     rd = bench_ragged_dot(min(n, 1024), d, f, e, k, FLAGS.repeats)
     print(f"ragged_dot {rd['ragged_dot_gflops']:.1f} GFLOP/s vs dense matmul "
-          f"{rd['dense_matmul_gflops']:.1f} GFLOP/s ({rd['ragged_over_dense_time']:.1f}× the time)")
+          f"{rd['dense_matmul_gflops']:.1f} GFLOP/s "
+          f"({rd['ragged_over_dense_time']:.1f}× the time)")
     qat_ms = bench_qat(n, d, f, e, k, FLAGS.repeats)
     for name, v in qat_ms.items():
       print(f"QAT  {name:<28}{v[0]:>10.1f} ms (median {v[1]:.1f})")

@@ -262,11 +262,6 @@ class ModelConfig:
       bad("mla_last", "internal: last layer is not MLA")
     if self.kernel_backend not in ("xla", "pallas", "auto"):
       bad("kernel_backend", f"expected 'xla', 'pallas' or 'auto', found {self.kernel_backend!r}")
-    if self.kernel_backend == "pallas" and self.kda_lower_bound is None:
-      # The Pallas KDA kernel rescales by inverse decays inside 16-token tiles, which is only
-      # safe with a bounded gate (§3); "auto" falls back to XLA for unbounded gates instead.
-      bad("kernel_backend", "'pallas' needs a bounded KDA gate (kda_lower_bound); use 'xla' "
-          "or 'auto' for Kimi Linear's unbounded decay")
     if self.expert_format not in ("bf16", "mxfp4"):
       bad("expert_format", f"expected 'bf16' or 'mxfp4', found {self.expert_format!r}")
     if self.expert_format == "mxfp4" and self.num_experts and (

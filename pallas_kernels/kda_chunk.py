@@ -53,9 +53,14 @@ the state read (o's and w's e^G terms) to the segment carried in (sc = 0), the s
 the chunk's last segment, and the old state is dropped when a segment starts in the chunk. A
 pair of one segment only spans its own gates, so the rescale bounds above still hold.
 
-Limits: needs a bounded gate (`lower_bound`, g >= lower_bound >= -5; see kda_chunked_pallas
-for how a violation is reported); chunk_size a power of 2 >= 16 (Triton needs power-of-2
-blocks).
+Unbounded gates (Kimi Linear's softplus decay, `lower_bound=None`): the diagonal tiles are
+formed pair by pair, exp(G_i - G_j) with i >= j, so every exponent is <= 0 whatever the gate
+(`_diagonal_tiles_pairwise`: 16 passes, one per position in a tile, each a 0/1 selection
+matmul and [C, K] elementwise work); the off-diagonal tiles and the state terms need no bound
+(their factors are <= 1 by construction).
+
+Limits: the bounded form needs g >= lower_bound >= -5 (see kda_chunked_pallas for how a
+violation is reported); chunk_size a power of 2 >= 16 (Triton needs power-of-2 blocks).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from jax.experimental import pallas as pl
 _SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None on older jax)
 # Largest chunk on the Triton (GPU) target, by input itemsize: shared memory (module docstring).
 GPU_MAX_CHUNK = {4: 16, 2: 32}
+GPU_MAX_CHUNK_UNBOUNDED = 16   # the pairwise diagonal tiles (unbounded gate): 180 KiB fwd at 32
 SUB = 16            # token tile of the inverse-decay rescale
 _LOG2_SUB = 4
 MAX_EXP = 40.0      # largest |exponent| of a diagonal-tile rescale: -lower_bound * SUB / 2
@@ -176,12 +182,38 @@ def _transpose_col(x, n):
   return jnp.sum(jnp.where(eye, jnp.broadcast_to(x, (n, n)), 0.0), axis=0, keepdims=True)
 
 
-def _chunk_step(q, k, v, g, beta, s, sc=None, dot=_dot):
+def _diagonal_tiles_pairwise(qf, kf, g, dot):
+  """A_kk and A_qk's diagonal 16-token tiles for any gate (Kimi Linear's unbounded decay):
+  entry (i, j) = Σ_d x_i k_j exp(Σ_{j<t<=i} g_t), the exponent summed over exactly the pair's
+  gates (never a difference of two cumulative sums, which loses digits once those are large,
+  nor a rescale). One pass per position p of a tile: for every row i, j is the p-th token of
+  i's own tile, so all tiles advance together: 16 passes whatever the chunk, each two 0/1
+  matmuls (exact) and [C, K] elementwise work. Rows before j get exponent 0 and are masked
+  by the caller. Returns [C, C] x2."""
+  c = qf.shape[0]
+  row = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  col = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  start = row - jnp.bitwise_and(row, SUB - 1)               # first token of row i's tile
+  d_kk = jnp.zeros((c, c), jnp.float32)
+  d_qk = jnp.zeros((c, c), jnp.float32)
+  for p in range(SUB):
+    sel = col == start + p                                   # [C, C]: j = start + p
+    span = _mm(jnp.where((col > start + p) & (col <= row), 1.0, 0.0), g, dot=dot)
+    ref_k = _mm(jnp.where(sel, 1.0, 0.0), kf, dot=dot)      # k_j for every row i
+    pair = jnp.exp(span) * ref_k                             # [C, K] k_j exp(Σ_{j<t<=i} g_t)
+    d_kk = d_kk + jnp.where(sel, jnp.sum(kf * pair, axis=1, keepdims=True), 0.0)
+    d_qk = d_qk + jnp.where(sel, jnp.sum(qf * pair, axis=1, keepdims=True), 0.0)
+  return d_kk, d_qk
+
+
+def _chunk_step(q, k, v, g, beta, s, sc=None, dot=_dot, bounded=True):
   """One chunk of the delta rule.
 
-  q, k [C, K] (q already scaled), v [C, V] (input dtype); g [C, K] fp32 log-decay (>= -5);
-  beta [C, 1] fp32; s [K, V] fp32 state before the chunk; sc [C, 1] fp32 or None: each token's
-  segment number within the chunk (0 = the segment carried in; packed documents).
+  q, k [C, K] (q already scaled), v [C, V] (input dtype); g [C, K] fp32 log-decay (>= -5 when
+  `bounded`; any value ≤ 0 otherwise); beta [C, 1] fp32; s [K, V] fp32 state before the chunk;
+  sc [C, 1] fp32 or None: each token's segment number within the chunk (0 = the segment
+  carried in; packed documents). bounded: the diagonal tiles as two matmuls around a mid-tile
+  reference (needs g >= -5), else pair by pair (`_diagonal_tiles_pairwise`).
   Returns o [C, V] fp32 and the state after the chunk [K, V] fp32.
   """
   f32 = jnp.float32
@@ -198,20 +230,26 @@ def _chunk_step(q, k, v, g, beta, s, sc=None, dot=_dot):
   ident = (row == col).astype(f32)
 
   # Cumulative log-decay in fp32 (sums as matmuls with 0/+-1 matrices, HIGHEST precision):
-  # gc = G over the chunk; gt = G minus G at the middle of the row's 16-token tile (after its
-  # 8th token), the diagonal tiles' reference point: gt in [-8*5, 7*5] for g >= -5.
+  # gc = G over the chunk.
   gc = _mm(jnp.where(col <= row, 1.0, 0.0), g, dot=dot)
-  mid = jnp.bitwise_and(col, SUB - 1) < SUB // 2
-  gt = _mm(jnp.where(same, jnp.where(col <= row, 1.0, 0.0) - jnp.where(mid, 1.0, 0.0), 0.0), g,
-           dot=dot)
-
-  # Diagonal tiles: exp(gt), exp(-gt) in [e^-40, e^40]: far from overflow (e^88.7) and from
-  # the subnormal range (e^-87.3) that CPUs/GPUs flush to zero (a reference at the tile's start
-  # would put e^-80 * |q| there and lose small components).
-  e_row = jnp.exp(gt)
-  k_col = kf * jnp.exp(-gt)
-  d_kk = _mm_t(kf * e_row, k_col, cd, dot=dot)
-  d_qk = _mm_t(qf * e_row, k_col, cd, dot=dot)
+  if bounded:
+    # gt = G minus G at the middle of the row's 16-token tile (after its 8th token), the
+    # diagonal tiles' reference point: gt in [-8*5, 7*5] for g >= -5. exp(gt), exp(-gt) in
+    # [e^-40, e^40]: far from overflow (e^88.7) and from the subnormal range (e^-87.3) that
+    # CPUs/GPUs flush to zero (a reference at the tile's start would put e^-80 * |q| there).
+    mid = jnp.bitwise_and(col, SUB - 1) < SUB // 2
+    gt = _mm(jnp.where(same, jnp.where(col <= row, 1.0, 0.0) - jnp.where(mid, 1.0, 0.0), 0.0),
+             g, dot=dot)
+    e_row = jnp.exp(gt)
+    k_col = kf * jnp.exp(-gt)
+    d_kk = _mm_t(kf * e_row, k_col, cd, dot=dot)
+    d_qk = _mm_t(qf * e_row, k_col, cd, dot=dot)
+  else:
+    d_kk, d_qk = _diagonal_tiles_pairwise(qf, kf, g, dot)
+    # Unbounded gates make the cumulative sums large, so each exponent below is summed over
+    # its own gates: a key's suffix within its tile, a chunk suffix for the state update.
+    key_suffix = _mm(jnp.where(same & (col > row), 1.0, 0.0), g, dot=dot)   # Σ_{j<t<=end J}
+    chunk_suffix = _mm(jnp.where(col > row, 1.0, 0.0), g, dot=dot)         # Σ_{j<t<C}
   # Off-diagonal tiles, one column tile J at a time, reference G at J's last token. The
   # exponents are clamped at 0 so rows that the mask drops stay finite (no inf * 0 in the vjp).
   # The clamp is a select that keeps x at x == 0 (`_nonpos`), not jnp.minimum: the exponent is
@@ -222,9 +260,14 @@ def _chunk_step(q, k, v, g, beta, s, sc=None, dot=_dot):
   o_kk = jnp.zeros((c, c), f32)
   o_qk = jnp.zeros((c, c), f32)
   for j in range(nt - 1):
-    ref = _row(gc, SUB * j + SUB - 1)
-    kj = jnp.where(_tile(rows_k) == j, kf * jnp.exp(_nonpos(ref - gc)), 0.0)
-    ej = jnp.exp(_nonpos(gc - ref))
+    if bounded:
+      ref = _row(gc, SUB * j + SUB - 1)
+      kj = jnp.where(_tile(rows_k) == j, kf * jnp.exp(_nonpos(ref - gc)), 0.0)
+      ej = jnp.exp(_nonpos(gc - ref))
+    else:   # Σ over the gates after J's last token up to the row (rows after J; else 0)
+      end = SUB * j + SUB - 1
+      kj = jnp.where(_tile(rows_k) == j, kf * jnp.exp(key_suffix), 0.0)
+      ej = jnp.exp(_mm(jnp.where((col > end) & (col <= row), 1.0, 0.0), g, dot=dot))
     o_kk = o_kk + _mm_t(kf * ej, kj, cd, dot=dot)
     o_qk = o_qk + _mm_t(qf * ej, kj, cd, dot=dot)
   a_kk = beta * jnp.where(later, o_kk, jnp.where(same & (col < row), d_kk, 0.0))
@@ -251,7 +294,7 @@ def _chunk_step(q, k, v, g, beta, s, sc=None, dot=_dot):
   o = _mm(qf * eg_read, s, cd, dot=dot) + _mm(a_qk, v_new, cd, dot=dot)
   g_last = _row(gc, c - 1)                             # [1, K]
   decay_s = jnp.exp(g_last)
-  k_out = kf * jnp.exp(g_last - gc)
+  k_out = kf * jnp.exp(g_last - gc if bounded else chunk_suffix)
   if sc is not None:
     decay_s, k_out = decay_s * keeps, k_out * writes
   s_new = _col(decay_s, dk) * s + _t_mm(k_out, v_new, cd, dot=dot)
@@ -270,7 +313,7 @@ def _split_sc(refs, n_in, packed):
   return refs[:n_in], (refs[n_in] if packed else None), refs[n:]
 
 
-def _fwd_grid_kernel(*refs, packed):
+def _fwd_grid_kernel(*refs, packed, bounded):
   (q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref), sc_ref, (o_ref, st_ref, sf_ref, s_scr) = \
       _split_sc(refs, 6, packed)
   c = pl.program_id(2)
@@ -282,7 +325,7 @@ def _fwd_grid_kernel(*refs, packed):
   s = s_scr[...]
   st_ref[...] = s
   o, s_new = _chunk_step(q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...], s,
-                         None if sc_ref is None else sc_ref[...])
+                         None if sc_ref is None else sc_ref[...], bounded=bounded)
   o_ref[...] = o.astype(o_ref.dtype)
   s_scr[...] = s_new
 
@@ -291,7 +334,7 @@ def _fwd_grid_kernel(*refs, packed):
     sf_ref[...] = s_new
 
 
-def _bwd_grid_kernel(*refs, packed):
+def _bwd_grid_kernel(*refs, packed, bounded):
   ins, sc_ref, outs = _split_sc(refs, 8, packed)
   q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref = ins
   dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref, ds_scr = outs
@@ -302,7 +345,8 @@ def _bwd_grid_kernel(*refs, packed):
     ds_scr[...] = dsf_ref[...].astype(jnp.float32)
 
   grads = _chunk_vjp(q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...], st_ref[...],
-                     do_ref[...], ds_scr[...], None if sc_ref is None else sc_ref[...])
+                     do_ref[...], ds_scr[...], None if sc_ref is None else sc_ref[...],
+                     bounded)
   for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, db_ref), grads[:5]):
     ref[...] = x.astype(ref.dtype)
   ds_scr[...] = grads[5]
@@ -312,14 +356,14 @@ def _bwd_grid_kernel(*refs, packed):
     ds0_ref[...] = grads[5]
 
 
-def _chunk_vjp(q, k, v, g, b, s, do, ds, sc):
+def _chunk_vjp(q, k, v, g, b, s, do, ds, sc, bounded):
   """Recompute one chunk and pull (do, dS_after) back to (dq, dk, dv, dg, dbeta, dS_before)."""
-  step = functools.partial(_chunk_step, sc=sc, dot=_dot_vjp)
+  step = functools.partial(_chunk_step, sc=sc, dot=_dot_vjp, bounded=bounded)
   _, pull = jax.vjp(step, q, k, v, g, b, s)
   return pull((do.astype(jnp.float32), ds))
 
 
-def _fwd_loop_kernel(*refs, packed, chunk, num_chunks):
+def _fwd_loop_kernel(*refs, packed, bounded, chunk, num_chunks):
   (q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref), sc_ref, (o_ref, st_ref, sf_ref) = \
       _split_sc(refs, 6, packed)
 
@@ -327,14 +371,15 @@ def _fwd_loop_kernel(*refs, packed, chunk, num_chunks):
     sl = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
     st_ref[i] = s
     o, s_new = _chunk_step(q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :],
-                           b_ref[sl, :], s, None if sc_ref is None else sc_ref[sl, :])
+                           b_ref[sl, :], s, None if sc_ref is None else sc_ref[sl, :],
+                           bounded=bounded)
     o_ref[sl, :] = o.astype(o_ref.dtype)
     return s_new
 
   sf_ref[...] = lax.fori_loop(0, num_chunks, body, s0_ref[...].astype(jnp.float32))
 
 
-def _bwd_loop_kernel(*refs, packed, chunk, num_chunks):
+def _bwd_loop_kernel(*refs, packed, bounded, chunk, num_chunks):
   ins, sc_ref, outs = _split_sc(refs, 8, packed)
   q_ref, k_ref, v_ref, g_ref, b_ref, st_ref, do_ref, dsf_ref = ins
   dq_ref, dk_ref, dv_ref, dg_ref, db_ref, ds0_ref = outs
@@ -343,7 +388,8 @@ def _bwd_loop_kernel(*refs, packed, chunk, num_chunks):
     i = num_chunks - 1 - j
     sl = pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
     grads = _chunk_vjp(q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :], b_ref[sl, :],
-                       st_ref[i], do_ref[sl, :], ds, None if sc_ref is None else sc_ref[sl, :])
+                       st_ref[i], do_ref[sl, :], ds, None if sc_ref is None else sc_ref[sl, :],
+                       bounded)
     for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, db_ref), grads[:5]):
       ref[sl, :] = x.astype(ref.dtype)
     return grads[5]
@@ -403,13 +449,15 @@ class _Layout:
 
 
 def _launch(kernel_grid, kernel_loop, lay, bh, nv, bv, dk, out_shape, in_specs, out_specs,
-            interpret, target, name, packed):
+            interpret, target, name, packed, bounded):
   if lay.launch == "loop":
-    kernel = functools.partial(kernel_loop, packed=packed, chunk=lay.chunk, num_chunks=lay.nc)
+    kernel = functools.partial(kernel_loop, packed=packed, bounded=bounded, chunk=lay.chunk,
+                               num_chunks=lay.nc)
     grid, scratch = (bh, nv), ()
   else:
     from jax.experimental.pallas import tpu as pltpu
-    kernel, grid = functools.partial(kernel_grid, packed=packed), (bh, nv, lay.nc)
+    kernel = functools.partial(kernel_grid, packed=packed, bounded=bounded)
+    grid = (bh, nv, lay.nc)
     scratch = (pltpu.VMEM((dk, bv), jnp.float32),)
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -417,10 +465,12 @@ def _launch(kernel_grid, kernel_loop, lay, bh, nv, bv, dk, out_shape, in_specs, 
       compiler_params=None if interpret else _compiler_params(target, lay.launch))
 
 
-def kda_chunk_fwd(q, k, v, g, beta, s0, sc=None, *, chunk, block_v, interpret, target, launch):
+def kda_chunk_fwd(q, k, v, g, beta, s0, sc=None, *, chunk, block_v, interpret, target, launch,
+                  bounded=True):
   """Forward kernel. q, k, g [BH, Tp, K]; v [BH, Tp, V]; beta [BH, Tp, 1] fp32; s0 [BH, K, V]
   fp32; sc [BH, Tp, 1] fp32 segment numbers within each chunk, or None (one sequence per row);
-  Tp a multiple of `chunk`, V of `block_v`. Returns o [BH, Tp, V] (q.dtype), the
+  Tp a multiple of `chunk`, V of `block_v`; bounded: g >= -5 (`_chunk_step`). Returns
+  o [BH, Tp, V] (q.dtype), the
   chunk-initial states [BH, NC, K, V] fp32 and the final state [BH, K, V] fp32."""
   bh, tp, dk = q.shape
   dv = v.shape[-1]
@@ -435,11 +485,12 @@ def kda_chunk_fwd(q, k, v, g, beta, s0, sc=None, *, chunk, block_v, interpret, t
   args = (q, k, v, g, beta, s0) + (() if sc is None else (sc,))
   in_specs += [] if sc is None else [lay.tokens(1)]
   return _launch(_fwd_grid_kernel, _fwd_loop_kernel, lay, bh, nv, block_v, dk, out_shape,
-                 in_specs, out_specs, interpret, target, "kda_chunk_fwd", sc is not None)(*args)
+                 in_specs, out_specs, interpret, target, "kda_chunk_fwd", sc is not None,
+                 bounded)(*args)
 
 
 def kda_chunk_bwd(q, k, v, g, beta, states, do, dsf, sc=None, *, chunk, block_v, interpret,
-                  target, launch):
+                  target, launch, bounded=True):
   """Backward kernel: cotangents do [BH, Tp, V], dsf [BH, K, V] -> (dq, dk, dv, dg, dbeta, ds0)
   shaped like (q, k, v, g, beta, s0); chunks are visited last to first. dq, dk, dg, dbeta are
   sums of per-V-block partials. sc as for `kda_chunk_fwd`."""
@@ -459,34 +510,35 @@ def kda_chunk_bwd(q, k, v, g, beta, states, do, dsf, sc=None, *, chunk, block_v,
   in_specs += [] if sc is None else [lay.tokens(1)]
   dq, dk_, dv_, dg, db, ds0 = _launch(
       _bwd_grid_kernel, _bwd_loop_kernel, lay, bh, nv, block_v, dk, out_shape, in_specs,
-      out_specs, interpret, target, "kda_chunk_bwd", sc is not None)(*args)
+      out_specs, interpret, target, "kda_chunk_bwd", sc is not None, bounded)(*args)
   total = lambda x, like: jnp.sum(x, axis=1).astype(like.dtype)
   return total(dq, q), total(dk_, k), dv_, total(dg, g), total(db, beta), ds0
 
 
 # ------------------------------------------------------------------------- custom_vjp core
-_STATIC = (7, 8, 9, 10, 11)   # chunk, block_v, interpret, target, launch
+_STATIC = (7, 8, 9, 10, 11, 12)   # chunk, block_v, interpret, target, launch, bounded
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=_STATIC)
-def _kda_core(q, k, v, g, beta, s0, sc, chunk, block_v, interpret, target, launch):
+def _kda_core(q, k, v, g, beta, s0, sc, chunk, block_v, interpret, target, launch, bounded):
   o, _, sf = kda_chunk_fwd(q, k, v, g, beta, s0, sc, chunk=chunk, block_v=block_v,
-                           interpret=interpret, target=target, launch=launch)
+                           interpret=interpret, target=target, launch=launch, bounded=bounded)
   return o, sf
 
 
-def _kda_core_fwd(q, k, v, g, beta, s0, sc, chunk, block_v, interpret, target, launch):
+def _kda_core_fwd(q, k, v, g, beta, s0, sc, chunk, block_v, interpret, target, launch, bounded):
   o, states, sf = kda_chunk_fwd(q, k, v, g, beta, s0, sc, chunk=chunk, block_v=block_v,
-                                interpret=interpret, target=target, launch=launch)
+                                interpret=interpret, target=target, launch=launch,
+                                bounded=bounded)
   return (o, sf), (q, k, v, g, beta, states, sc)
 
 
-def _kda_core_bwd(chunk, block_v, interpret, target, launch, res, cts):
+def _kda_core_bwd(chunk, block_v, interpret, target, launch, bounded, res, cts):
   q, k, v, g, beta, states, sc = res
   do, dsf = cts
   grads = kda_chunk_bwd(q, k, v, g, beta, states, do.astype(q.dtype), dsf.astype(jnp.float32),
                         sc, chunk=chunk, block_v=block_v, interpret=interpret, target=target,
-                        launch=launch)
+                        launch=launch, bounded=bounded)
   return grads + (None if sc is None else jnp.zeros_like(sc),)   # segment numbers: constants
 
 
@@ -508,27 +560,28 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
   initial_state [B, H, K, V] or None (zeros). Returns (o [B, T, H, V] in q.dtype,
   final_state [B, H, K, V] fp32). Differentiable (custom_vjp, backward Pallas kernel).
 
-  lower_bound: the gate's bound (g >= lower_bound, -5 for K3); None (Kimi Linear's unbounded
-    softplus decay) raises ValueError: the 16-token rescale is only safe for a bounded gate.
+  lower_bound: the gate's bound (g >= lower_bound, -5 for K3): the diagonal tiles' fast form.
     A concrete g below the bound raises ValueError. Under a trace (jit/grad) g is clamped at
     the bound (so no exp can overflow) and every (batch, head) whose g went below it by more
     than 1e-4 gets NaN outputs and final state: a flag that cannot pass unnoticed, without
     checkify. A bounded gate (`kda_gate(..., lower_bound)`) never trips it.
+    None (Kimi Linear's unbounded softplus decay, any g <= 0): the diagonal tiles pair by pair
+    (`_diagonal_tiles_pairwise`; more exps, no rescale); a concrete g > 0 raises ValueError.
   interpret: None -> True on CPU. target: "tpu" | "gpu" (default: the platform), the lowering
     to prepare for (export tests set it); on "gpu" chunk_size is capped at GPU_MAX_CHUNK (16 for
-    fp32, 32 for bf16 inputs) so the Triton kernels fit in shared memory. launch: "grid" | "loop" (default: loop on GPU, grid
+    fp32, 32 for bf16 inputs; 16 for an unbounded gate) so the Triton kernels fit in shared
+    memory. launch: "grid" | "loop" (default: loop on GPU, grid
     otherwise); both give identical results. block_v: V columns per program (default V; 64
     on GPU when V > 64): a power of 2 dividing V.
   segment_ids: `[B, T]` int or None (packed documents): the state resets to zero where the
     id changes; initial_state applies to the first segment, the final state is the last
     segment's (as `kda_chunked`).
   """
-  if lower_bound is None:
-    raise ValueError("pallas KDA kernel needs a bounded decay gate (kda_lower_bound), "
-                     "use kernel_backend='xla'")
-  if not -5.0 <= lower_bound <= 0.0:
+  bounded = lower_bound is not None
+  if bounded and not -5.0 <= lower_bound <= 0.0:
     raise ValueError(f"kda_chunked_pallas: lower_bound must lie in [-5, 0] so a 16-token "
-                     f"rescale stays within e^+-{MAX_EXP:.0f}, found {lower_bound}")
+                     f"rescale stays within e^+-{MAX_EXP:.0f}, or be None (an unbounded gate), "
+                     f"found {lower_bound}")
   for name, x, r in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
     _check(name, x, r)
   b, t, h, dk = q.shape
@@ -553,13 +606,16 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
     raise ValueError(f"kda_chunked_pallas: chunk_size must be a power of 2 and a multiple of "
                      f"{SUB}, found {chunk_size}")
   try:      # concrete g (eager call): check the bound; under a trace the clamp below holds it
-    gmin = float(jnp.min(g)) if g.size else 0.0
+    gmin, gmax = (float(jnp.min(g)), float(jnp.max(g))) if g.size else (0.0, 0.0)
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    gmin = None
-  if gmin is not None:
-    if gmin < lower_bound - 1e-6:
-      raise ValueError(f"kda_chunked_pallas: g must be >= lower_bound={lower_bound} (a bounded "
-                       f"decay gate), found min(g)={gmin}; use kernel_backend='xla'")
+    gmin = gmax = None
+  if gmin is not None and bounded and gmin < lower_bound - 1e-6:
+    raise ValueError(f"kda_chunked_pallas: g must be >= lower_bound={lower_bound} (a bounded "
+                     f"decay gate), found min(g)={gmin}; pass lower_bound=None for an "
+                     f"unbounded gate")
+  if gmax is not None and not bounded and gmax > 0.0:
+    raise ValueError(f"kda_chunked_pallas: g is a log-decay and must be <= 0, found "
+                     f"max(g)={gmax}")
   platform = jax.default_backend()
   if interpret is None:
     interpret = platform == "cpu"
@@ -575,7 +631,9 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
     raise ValueError(f"kda_chunked_pallas: block_v must be a power of 2 dividing V={dv}, found "
                      f"{block_v}")
   if target == "gpu":   # shared memory of the Triton kernels (module docstring)
-    chunk_size = min(chunk_size, GPU_MAX_CHUNK.get(jnp.dtype(q.dtype).itemsize, 16))
+    cap = (GPU_MAX_CHUNK.get(jnp.dtype(q.dtype).itemsize, 16) if bounded
+           else GPU_MAX_CHUNK_UNBOUNDED)
+    chunk_size = min(chunk_size, cap)
   if launch == "grid" and target == "gpu" and not interpret:
     raise ValueError("kda_chunked_pallas: launch='grid' carries the state across sequential grid "
                      "steps, which the GPU (Triton) lowering does not run in order; use 'loop'")
@@ -584,8 +642,10 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
     scale = dk ** -0.5
   f32 = jnp.float32
   g = g.astype(f32)
-  tripped = jnp.any(g < lower_bound - 1e-4, axis=(1, 3))              # [B, H]
-  g = jnp.where(g < lower_bound, jnp.asarray(lower_bound, f32), g)
+  tripped = None
+  if bounded:
+    tripped = jnp.any(g < lower_bound - 1e-4, axis=(1, 3))              # [B, H]
+    g = jnp.where(g < lower_bound, jnp.asarray(lower_bound, f32), g)
   q = q * jnp.asarray(scale, q.dtype)
   tp = -(-t // chunk_size) * chunk_size
 
@@ -603,8 +663,10 @@ def kda_chunked_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, chun
     sc = jnp.broadcast_to(sc.reshape(b, 1, tp, 1), (b, h, tp, 1)).reshape(b * h, tp, 1)
   o, sf = _kda_core(heads_first(q), heads_first(k.astype(q.dtype)), heads_first(v.astype(q.dtype)),
                     heads_first(g), heads_first(beta.astype(f32)[..., None]), s0, sc,
-                    chunk_size, block_v, bool(interpret), target, launch)
+                    chunk_size, block_v, bool(interpret), target, launch, bounded)
   o = jnp.transpose(o.reshape(b, h, tp, dv), (0, 2, 1, 3))[:, :t]
-  o = jnp.where(tripped[:, None, :, None], jnp.asarray(jnp.nan, o.dtype), o)
-  sf = jnp.where(tripped[:, :, None, None], jnp.nan, sf.reshape(b, h, dk, dv))
+  sf = sf.reshape(b, h, dk, dv)
+  if tripped is not None:
+    o = jnp.where(tripped[:, None, :, None], jnp.asarray(jnp.nan, o.dtype), o)
+    sf = jnp.where(tripped[:, :, None, None], jnp.nan, sf)
   return o, sf

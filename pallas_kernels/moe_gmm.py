@@ -150,8 +150,8 @@ def _gmm_kernel(rg_ref, lhs_ref, rhs_ref, out_ref, *, num_groups, bk, num_k):
 
 
 def _e2m1(codes):
-  """E2M1 codes (int32, 0..15) → their values (fp32): sign · (e = 0: m/2; else (1 + m/2)·2^(e−1)),
-  by selects only (no table gather, no bit casts: both kernel lowerings take it)."""
+  """E2M1 codes (int32, 0..15) → their values (fp32): sign · (e = 0: m/2; else
+  (1 + m/2)·2^(e−1)), by selects only (no table gather, no bit casts: both lowerings take it)."""
   e = jnp.right_shift(codes, 1) & 3
   m = (codes & 1).astype(jnp.float32)
   pow2 = jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0))

@@ -52,7 +52,6 @@ def test_kimi_linear_switches():
     (dict(kda_chunk_size=24), "kda_chunk_size"),
     (dict(d_model=0), "d_model"),
     (dict(kernel_backend="cuda"), "kernel_backend"),
-    (dict(kernel_backend="pallas", kda_lower_bound=None), "kernel_backend"),
     (dict(mla_every=4, mla_last=False, num_layers=3), "num_layers"),
     (dict(qb_range=(1.0, -1.0)), "qb_range"),
     (dict(first_dense_layers=20), "first_dense_layers"),

@@ -1,20 +1,22 @@
-"""Capture the Triton IR (TTIR) text of every Pallas kernel lowered for CUDA, via jax.export on CPU.
+"""Capture the Triton IR (TTIR) of every Pallas kernel lowered for CUDA, via jax.export on CPU.
 
 Step 1 of measuring the kernels for sm_90 without a GPU (step 2: measure.py, run with a
 separate Python that has `triton` installed; step 3: `pin`, below). Usage, from the repo root
 (jax 0.10.x: the Triton lowering runs on a CPU host):
   .venv/bin/python -m experiments.pallas_smem.capture /tmp/ttir \\
-      'kda_case(jnp.float32, 128, 128, 16, 64)' 'gmm_case(jnp.float32, 512, 256, 256, 8, (64, 64, 128))'
-Each case is a Python call of kda_case(dtype, K, V, chunk, block_v[, packed]),
-gmm_case(dtype, m, k, n, groups, tiling) or gmm_mxfp4_case(same); one .ttir file per kernel lands in the folder,
-named `case_tag(spec)__I.ttir` (I: the order of lowering: forward first).
+      'kda_case(jnp.float32, 128, 128, 16, 64)' \\
+      'gmm_case(jnp.float32, 512, 256, 256, 8, (64, 64, 128))'
+Each case is a Python call of kda_case(dtype, K, V, chunk, block_v[, packed, bounded]),
+gmm_case(dtype, m, k, n, groups, tiling) or gmm_mxfp4_case(same); one .ttir file per kernel
+lands in the folder, named `case_tag(spec)__I.ttir` (I: the order of lowering: forward first).
 
 The kernels' own report (docs/sm90_kernels.json, checked by
 tests/pallas_kernels/test_sm90_report.py) pins each measured figure to the sha256 of the TTIR
-it was measured on, so a kernel change without a new measurement fails the tests:
+it was measured on, so a kernel change without a new measurement fails the tests (gmm*.ttir
+holds the MXFP4 gmm too):
   .venv/bin/python -m experiments.pallas_smem.capture /tmp/ttir --report     # REPORT_CASES
   /tmp/tv/bin/python experiments/pallas_smem/measure.py 8 1 /tmp/ttir/kda*.ttir > /tmp/kda.jsonl
-  /tmp/tv/bin/python experiments/pallas_smem/measure.py 4 2 /tmp/ttir/gmm*.ttir > /tmp/gmm.jsonl   # gmm_mxfp4 too
+  /tmp/tv/bin/python experiments/pallas_smem/measure.py 4 2 /tmp/ttir/gmm*.ttir > /tmp/gmm.jsonl
   .venv/bin/python -m experiments.pallas_smem.capture --pin /tmp/ttir /tmp/kda.jsonl /tmp/gmm.jsonl
 """
 from __future__ import annotations
@@ -33,12 +35,14 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "docs", "sm90_kernels.json")
 # The configurations the GPU target runs (pallas_kernels: GPU_MAX_CHUNK, block_v 64,
-# GPU_TILING): K3's and Kimi Linear's KDA heads (K = V = 128) in bf16 and fp32, packed and not;
-# the grouped matmul's tiles in bf16.
+# GPU_TILING): K3's and Kimi Linear's KDA heads (K = V = 128) in bf16 and fp32, packed and not,
+# bounded gate (K3) and unbounded (Kimi Linear); the grouped matmul's tiles in bf16, dense and
+# over MXFP4 experts.
 REPORT_CASES = (
     "kda_case(jnp.bfloat16, 128, 128, 32, 64)",
     "kda_case(jnp.bfloat16, 128, 128, 32, 64, packed=True)",
     "kda_case(jnp.float32, 128, 128, 16, 64)",
+    "kda_case(jnp.bfloat16, 128, 128, 16, 64, bounded=False)",
     "gmm_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
     "gmm_mxfp4_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
 )
@@ -68,8 +72,9 @@ def _export(fn, args):
                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
 
 
-def kda_case(dtype, dk, dv, chunk, block_v, packed=False, t=256):
-  """Lowers the KDA forward and backward kernels (one head, T tokens; `packed`: 3 documents)."""
+def kda_case(dtype, dk, dv, chunk, block_v, packed=False, bounded=True, t=256):
+  """Lowers the KDA forward and backward kernels (one head, T tokens; `packed`: 3 documents;
+  `bounded=False`: an unbounded gate, the pairwise diagonal tiles)."""
   from pallas_kernels.kda_chunk import kda_chunked_pallas
   s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
   f32 = jnp.float32
@@ -78,7 +83,8 @@ def kda_case(dtype, dk, dv, chunk, block_v, packed=False, t=256):
   def loss(*a):
     seg = jnp.cumsum(jnp.arange(t) % 91 == 0)[None] if packed else None
     o, st = kda_chunked_pallas(*a, interpret=False, target="gpu", chunk_size=chunk,
-                               block_v=block_v, segment_ids=seg)
+                               block_v=block_v, segment_ids=seg,
+                               lower_bound=-5.0 if bounded else None)
     return jnp.sum(o.astype(f32)) + jnp.sum(st)
   _export(lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a), args)
 

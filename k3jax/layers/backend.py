@@ -50,8 +50,9 @@ class Kernels:
 
   backend: "xla" | "pallas", with "auto" resolved.
   kda_chunked: `kda_chunked(q, k, v, g, beta, *, scale, initial_state, chunk_size,
-    segment_ids=None)` → (o, final state): the Pallas kernel on "pallas" with a bounded gate,
-    else the XLA op (both told the gate's bound; both take packed documents' segment ids).
+    segment_ids=None)` → (o, final state): the Pallas kernel on "pallas", else the XLA op
+    (both told the gate's bound, None for an unbounded gate; both take packed documents'
+    segment ids).
   gmm: the grouped matmul the routed experts run through (`ops.moe.GroupedMatmul`):
     `pallas_kernels.moe_gmm.gmm` on "pallas"; None on "xla" (the sorted dense-einsum path,
     the fastest XLA one on CPU).
@@ -69,16 +70,13 @@ def _kernels(name: str, kda_lower_bound: float | None) -> Kernels:
   from k3jax.ops.kda import kda_chunked
   from k3jax.ops.moe import expert_mlp
   # The bound lets the XLA op pick its dense diagonal-tile form at trace time (no cond).
-  kda_xla = functools.partial(kda_chunked, lower_bound=kda_lower_bound)
-  kda, gmm = kda_xla, None
+  kda, gmm = functools.partial(kda_chunked, lower_bound=kda_lower_bound), None
   if name == "pallas":
     from pallas_kernels.kda_chunk import kda_chunked_pallas
     from pallas_kernels.moe_gmm import gmm
-    # The KDA kernel relies on a bounded decay gate (g ≥ lower_bound, spec §3); with an
-    # unbounded gate (Kimi Linear) the XLA op runs. (`ModelConfig` rejects
-    # kernel_backend="pallas" with an unbounded gate; "auto" on a GPU/TPU reaches this.)
-    if kda_lower_bound is not None:
-      kda = functools.partial(kda_chunked_pallas, lower_bound=kda_lower_bound)
+    # A bounded gate (K3, spec §3) takes the kernel's fast diagonal tiles; an unbounded one
+    # (Kimi Linear, lower_bound None) its pair-by-pair form.
+    kda = functools.partial(kda_chunked_pallas, lower_bound=kda_lower_bound)
   mlp = expert_mlp if gmm is None else functools.partial(expert_mlp, gmm=gmm)
   return Kernels(backend=name, kda_chunked=kda, gmm=gmm, expert_mlp=mlp)
 

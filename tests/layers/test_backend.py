@@ -21,14 +21,16 @@ def test_resolve(monkeypatch):
     backend.resolve("triton")
 
 
-def test_kda_falls_back_to_xla_for_unbounded_gates():
-  # The XLA op, told the gate's bound (it picks its diagonal-tile form at trace time from it).
-  for fn, bound in ((backend.kda_chunked_fn("xla", lower_bound=-5.0), -5.0),
-                    (backend.kda_chunked_fn("pallas", lower_bound=None), None)):
+def test_kda_functions_are_told_the_gate_bound():
+  # Both the XLA op and the kernel get the gate's bound (each picks its diagonal-tile form at
+  # trace time from it); the kernel takes unbounded gates and packed documents too.
+  for bound in (-5.0, None):
+    fn = backend.kda_chunked_fn("xla", lower_bound=bound)
     assert fn.func is kda_chunked and fn.keywords == {"lower_bound": bound}
-  # Packed documents too run the kernel (it takes segment ids).
-  fn = backend.kda_chunked_fn("pallas", lower_bound=-5.0)
-  assert fn.func.__name__ == "kda_chunked_pallas"
+    fn = backend.kda_chunked_fn("pallas", lower_bound=bound)
+    assert fn.func.__name__ == "kda_chunked_pallas" and fn.keywords == {"lower_bound": bound}
+  # A Kimi Linear config may now ask for the kernels.
+  assert backend.kernels(preset("tiny_kimi_linear", kernel_backend="pallas")).backend == "pallas"
 
 
 def test_moe_kernel():

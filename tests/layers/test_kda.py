@@ -79,10 +79,16 @@ def _setup(name, t=20, seed=0):
   return cfg, mod, v, x
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
-def test_layer_matches_per_token_reference(name):
-  # tiny: bounded decay + full-rank gate; tiny_kimi_linear: softplus decay + rank-r gate
+def test_layer_matches_per_token_reference(name, backend):
+  # tiny: bounded decay + full-rank gate; tiny_kimi_linear: softplus decay + rank-r gate;
+  # "pallas": the same layer through the Pallas KDA kernel (interpreted here), packed rows too
   cfg, mod, v, x = _setup(name)  # T = 20 > chunk (16): crosses a chunk boundary
+  if backend == "pallas":
+    cfg = cfg.replace(kernel_backend="pallas")
+    mod = KDA(cfg)
+    assert "pallas_call" in str(jax.make_jaxpr(mod.apply)(v, x[:, :16]))
   # row 1 starts with row 0's second document: packing must give identical outputs for it
   x = x.at[1].set(jnp.concatenate([x[0, 7:], x[0, :7]]))
   seg = jnp.asarray(np.array([[0] * 7 + [1] * 13, [0] * 13 + [1] * 7]), jnp.int32)

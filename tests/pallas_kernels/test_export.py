@@ -36,11 +36,11 @@ def _kda_args(dtype, b=1, t=100, h=2, dk=64, dv=128):   # GPU: two V blocks of 6
           s(b, h, dk, dv, d=f32))
 
 
-def _kda(target, packed=False):
+def _kda(target, packed=False, bounded=True):
   def fwd(q, k, v, g, beta, s0):
     seg = jnp.cumsum(jnp.arange(q.shape[1]) % 37 == 0)[None] if packed else None   # 3 documents
     return kda_chunked_pallas(q, k, v, g, beta, initial_state=s0, interpret=False, target=target,
-                              segment_ids=seg)
+                              segment_ids=seg, lower_bound=-5.0 if bounded else None)
 
   def fwd_bwd(*args):
     def loss(*a):
@@ -50,13 +50,16 @@ def _kda(target, packed=False):
   return fwd, fwd_bwd
 
 
-@pytest.mark.parametrize("platform,dtype,packed", [
-    ("tpu", jnp.float32, False), ("tpu", jnp.bfloat16, False), ("cuda", jnp.float32, False),
-    ("cuda", jnp.bfloat16, False), ("tpu", jnp.bfloat16, True), ("cuda", jnp.bfloat16, True)])
-def test_kda_chunk_lowers(platform, dtype, packed):
+@pytest.mark.parametrize("platform,dtype,packed,bounded", [
+    ("tpu", jnp.float32, False, True), ("tpu", jnp.bfloat16, False, True),
+    ("cuda", jnp.float32, False, True), ("cuda", jnp.bfloat16, False, True),
+    ("tpu", jnp.bfloat16, True, True), ("cuda", jnp.bfloat16, True, True),
+    ("tpu", jnp.bfloat16, False, False), ("cuda", jnp.bfloat16, False, False)])
+def test_kda_chunk_lowers(platform, dtype, packed, bounded):
   """Forward: one kernel (kda_chunk_fwd); forward+backward: both kernels; packed documents
-  (segment ids) add one input to each."""
-  fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu", packed)
+  (segment ids) add one input to each; an unbounded gate (Kimi Linear) takes the pairwise
+  diagonal tiles."""
+  fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu", packed, bounded)
   args = _kda_args(dtype)
   text = export_for(fwd, args, platform)
   assert text.count(_CUSTOM_CALL[platform]) == 1

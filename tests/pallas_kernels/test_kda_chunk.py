@@ -180,6 +180,25 @@ def test_chunk_step_matches_token_loop(seed, gate_scale):
   assert _rel_err(o, o_ref) < 1e-4 and _rel_err(s_new, s_ref) < 1e-4
 
 
+@given(seed=st.integers(0, 2**16), gate_scale=st.sampled_from([3.0, 30.0, 300.0]))
+def test_unbounded_chunk_step_matches_token_loop(seed, gate_scale):
+  """The pair-by-pair diagonal tiles (an unbounded gate, as Kimi Linear's): one 64-token chunk
+  with g down to -gate_scale equals the float64 token loop."""
+  r = np.random.default_rng(seed)
+  c, dk, dv = 64, 16, 8
+  q, k = (r.standard_normal((c, dk)).astype(np.float32) * 0.3 for _ in range(2))
+  v = r.standard_normal((c, dv)).astype(np.float32)
+  g = (-gate_scale * r.uniform(size=(c, dk)) ** 3).astype(np.float32)   # many small, some huge
+  beta = (1.0 / (1.0 + np.exp(-r.standard_normal((c, 1))))).astype(np.float32)
+  s = r.standard_normal((dk, dv)).astype(np.float32)
+  o, s_new = _step64_unbounded(q, k, v, g, beta, s)
+  o_ref, s_ref = _naive_chunk(q, k, v, g, beta, s)
+  assert _rel_err(o, o_ref) < 1e-4 and _rel_err(s_new, s_ref) < 1e-4
+
+
+_step64_unbounded = jax.jit(functools.partial(kda_chunk._chunk_step, bounded=False))
+
+
 def _naive_packed_chunk(q, k, v, g, beta, s, starts):
   """The token loop with the state reset to zero at every token where `starts` is set."""
   out, s = [], np.asarray(s, np.float64)
@@ -224,16 +243,19 @@ def test_unit_lower_inverse_by_doubling():
 
 # --------------------------------------------------------------------- contract and errors
 def test_backend_dispatches_to_kernel():
-  fn = backend.kda_chunked_fn("pallas", lower_bound=-5.0)
-  assert fn.func is kda_chunked_pallas and fn.keywords == {"lower_bound": -5.0}
+  for bound in (-5.0, None):    # K3's bounded gate, Kimi Linear's unbounded one
+    fn = backend.kda_chunked_fn("pallas", lower_bound=bound)
+    assert fn.func is kda_chunked_pallas and fn.keywords == {"lower_bound": bound}
 
 
-def test_unbounded_gate_and_bad_segments_are_rejected():
+def test_bad_gates_and_segments_are_rejected():
   q, k, v, g, beta, s0 = _inputs(6, 1, 16, 1, 16, 16)
-  with pytest.raises(ValueError, match="bounded decay gate.*kernel_backend='xla'"):
-    kda_chunked_pallas(q, k, v, g, beta, lower_bound=None)
-  with pytest.raises(ValueError, match="g must be >= lower_bound"):
+  with pytest.raises(ValueError, match="g must be >= lower_bound.*lower_bound=None"):
     kda_chunked_pallas(q, k, v, g - 10.0, beta)
+  with pytest.raises(ValueError, match=r"lower_bound must lie in \[-5, 0\].*or be None"):
+    kda_chunked_pallas(q, k, v, g, beta, lower_bound=-10.0)
+  with pytest.raises(ValueError, match=r"log-decay and must be <= 0, found max\(g\)=1"):
+    kda_chunked_pallas(q, k, v, g.at[0, 3, 0, 2].set(1.0), beta, lower_bound=None)
   with pytest.raises(ValueError, match=r"segment_ids must be \[B, T\] = \(1, 16\)"):
     kda_chunked_pallas(q, k, v, g, beta, segment_ids=jnp.zeros((1, 15), jnp.int32))
   with pytest.raises(ValueError, match="segment_ids must have an integer dtype"):
@@ -330,3 +352,25 @@ def test_packed_documents_match_recurrent(launch):
 @jax.jit
 def _recurrent_packed(q, k, v, g, beta, s0, seg):
   return kda.kda_recurrent(q, k, v, g, beta, initial_state=s0, segment_ids=seg)
+
+
+# --------------------------------------------------------------------- unbounded gates
+@pytest.mark.parametrize("launch", ["grid", "loop"])
+def test_unbounded_gates_match_recurrent(launch):
+  """Kimi Linear's gate (softplus decay, no bound; here down to about -80 per token) through
+  the pair-by-pair diagonal tiles: values and the six gradients equal the recurrence's, both
+  launch forms; the bounded form would overflow here (e^(8·80))."""
+  q, k, v, _, beta, s0 = _inputs(3, 1, 100, 2, 16, 16)
+  z = 3.0 * jax.random.normal(jax.random.PRNGKey(5), q.shape)
+  g = kda.kda_gate(z, jnp.log(jnp.full((2,), 8.0)), jnp.zeros((2, 16)), lower_bound=None)
+  assert float(jnp.min(g)) < -50.0
+  interpret = None if launch == _NATIVE_LAUNCH else True
+  pallas = lambda *a: kda_chunked_pallas(*a[:5], initial_state=a[5], lower_bound=None,
+                                         launch=launch, interpret=interpret)
+  args = (q, k, v, g, beta, s0)
+  o, s = jax.jit(pallas)(*args)
+  o_r, s_r = _recurrent(*args)
+  assert _rel_err(o, o_r) < 1e-5 and _rel_err(s, s_r) < 1e-5
+  for name, a, r in zip(_NAMES, _grads(pallas, args), _grads(lambda *a: kda.kda_recurrent(
+      *a[:5], initial_state=a[5]), args)):
+    assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
