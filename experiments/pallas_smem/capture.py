@@ -66,10 +66,16 @@ def capturing():
 
 
 def _export(fn, args):
-  if hasattr(jax.config, "jax_pallas_use_mosaic_gpu"):   # jax 0.10: pick the Triton lowering
-    jax.config.update("jax_pallas_use_mosaic_gpu", False)
-  export.export(jax.jit(fn), platforms=["cuda"],
-                disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+  flag = "jax_pallas_use_mosaic_gpu"    # jax 0.10: pick the Triton lowering (restored after)
+  prev = getattr(jax.config, flag, None)
+  if prev is not None:
+    jax.config.update(flag, False)
+  try:
+    export.export(jax.jit(fn), platforms=["cuda"],
+                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+  finally:
+    if prev is not None:
+      jax.config.update(flag, prev)
 
 
 def kda_case(dtype, dk, dv, chunk, block_v, packed=False, bounded=True, t=256):
@@ -120,8 +126,9 @@ def case_tag(spec: str) -> str:
 
 
 def ttir_of(spec: str) -> list[str]:
-  """The TTIR texts of one case, in lowering order."""
-  with capturing() as captured:
+  """The TTIR texts of one case, in lowering order, under JAX's default matmul precision (a
+  `jax_default_matmul_precision` set elsewhere in the process changes the bf16 dots' IR)."""
+  with capturing() as captured, jax.default_matmul_precision(None):
     eval(spec, {"kda_case": kda_case, "gmm_case": gmm_case, "gmm_mxfp4_case": gmm_mxfp4_case,
                 "jnp": jnp})   # noqa: S307
   return list(captured)

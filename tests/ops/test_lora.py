@@ -9,7 +9,14 @@ from k3jax.ops import lora as L
 from k3jax.ops import moe as moe_ops
 from k3jax.quant import mx
 
-jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _highest_precision():
+  """fp32 products in full precision for this module's comparisons, and for it alone (a global
+  update would leak into the modules a test worker runs after this one)."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def _rand(key, shape, scale=1.0):
