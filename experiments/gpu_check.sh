@@ -8,15 +8,16 @@
 #   2. Pallas tests compiled for the GPU (non-interpreted Triton kernels) against the XLA path
 #      and the recurrence: tests/pallas_kernels/test_kda_chunk.py, then test_moe_gmm.py and the
 #      export tests (jax.export lowering with the machine's jax);
-#   3. python -m experiments.bench_kda --gpu_suite (B=1, H=96, K=V=128, bf16, T=8K then 32K:
-#      XLA chunked vs Pallas vs flash-linear-attention's Triton chunk_kda), one run per T; at
-#      8K with --roofline (the forward's FLOPs and bytes over its time, as fractions of the
-#      matmul rate and memory bandwidth measured in the same process);
+#   3. python -m experiments.bench_kda --gpu_suite (B=1, H=96, K=V=128, bf16, T=8K: XLA
+#      chunked vs Pallas vs flash-linear-attention's Triton chunk_kda) with --roofline (the
+#      forward's FLOPs and bytes over its time, as fractions of the matmul rate and memory
+#      bandwidth measured in the same process);
 #   4. python -m experiments.bench_moe at the issue's shape: SiTU-GLU experts E 64, k 8,
 #      D = F = 2048, 16K tokens, bf16, fwd+bwd vs a dense MLP of equal active FLOPs (sorted
 #      dropless, capacity 1.1, ragged_dot, Pallas gmm);
 #   5. one training run of configs/gpu_1b.py (~1B-parameter K3-shaped, bf16): tokens/s and MFU
-#      against the bf16 matmul rate measured at start-up (metrics.jsonl per step).
+#      against the bf16 matmul rate measured at start-up (metrics.jsonl per step);
+#   6. the KDA benchmark again at T=32K (long sequences), last: the least needed figure.
 # Everything lands in $OUT (8 files at most): summary.txt, env.txt, tests.log, bench.log (every
 # benchmark's output), bench_kda_8k.json, bench_kda_32k.json, bench_moe.json, train_1b.jsonl.
 # Needs `.whl/` carried: flash_linear_attention-0.6.0 and fla_core-0.6.0 wheels (pure Python;
@@ -52,9 +53,10 @@ if [ "$DRY" = "1" ]; then
     --config.model.dense_intermediate_size=256 --config.model.q_lora_rank=64
     --config.model.kv_lora_rank=64"
 else
-  # Limits (s): 20 + 95 + 40 + 100 + 65 + 60 + 90 = 470 at worst (< 8 minutes).
-  PLATFORM=cuda; T_ENV=20; T_TESTS=95; T_MOE_TESTS=40; T_KDA8=100; T_KDA32=65; T_MOE=60
-  T_TRAIN=90
+  # Limits (s): 20 + 95 + 40 + 100 + 60 + 100 + 55 = 470 at worst (< 8 minutes), in the order
+  # they run: the 32K KDA row, the least needed, comes last.
+  PLATFORM=cuda; T_ENV=20; T_TESTS=95; T_MOE_TESTS=40; T_KDA8=100; T_KDA32=55; T_MOE=60
+  T_TRAIN=100
   KDA_8K_ARGS="--gpu_suite --roofline --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000"
   KDA_32K_ARGS="--gpu_suite --sizes 32768x96x128 --max_run_gib 60 --max_torch_tokens 40000 --repeats 2"
   MOE_ARGS="--tokens 16384 --dim 2048 --ffn 2048 --dtype bfloat16 --repeats 5"
@@ -108,11 +110,9 @@ if [ -f tests/pallas_kernels/test_moe_gmm.py ]; then
     tests/pallas_kernels/test_moe_gmm.py
 fi
 
-# 3. KDA benchmark, one process per T (a 32K failure or timeout keeps the 8K figures).
+# 3. KDA benchmark at 8K (its own process: a failure elsewhere keeps these figures).
 run bench_kda_8k "$T_KDA8" "$OUT/bench.log" "$PY" -m experiments.bench_kda $KDA_8K_ARGS \
   --json --out "$OUT/bench_kda_8k.json"
-run bench_kda_32k "$T_KDA32" "$OUT/bench.log" "$PY" -m experiments.bench_kda $KDA_32K_ARGS \
-  --json --out "$OUT/bench_kda_32k.json"
 
 # 4. Expert MLP vs a dense MLP of equal active FLOPs (no ragged_dot/QAT extras, no layer row).
 run bench_moe "$T_MOE" "$OUT/bench.log" "$PY" -m experiments.bench_moe $MOE_ARGS \
@@ -124,5 +124,9 @@ rm -rf /tmp/gpu_check_1b
 run train_1b "$T_TRAIN" "$OUT/bench.log" "$PY" -m experiments.train --config=configs/gpu_1b.py \
   --workdir=/tmp/gpu_check_1b $TRAIN_ARGS
 cp /tmp/gpu_check_1b/metrics.jsonl "$OUT/train_1b.jsonl" 2>/dev/null || log "no train_1b metrics"
+
+# 6. KDA at 32K (the long-sequence regime), last.
+run bench_kda_32k "$T_KDA32" "$OUT/bench.log" "$PY" -m experiments.bench_kda $KDA_32K_ARGS \
+  --json --out "$OUT/bench_kda_32k.json"
 
 log "done in $(( $(date +%s) - START ))s; files: $(ls "$OUT" | tr '\n' ' ')"
