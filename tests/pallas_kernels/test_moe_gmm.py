@@ -190,33 +190,38 @@ SPECS = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
          jax.ShapeDtypeStruct((4,), jnp.int32))
 
 
-def test_lowers_for_tpu_mosaic():
-  exp = jax.export.export(jax.jit(_fwd_and_grad), platforms=["tpu"])(*SPECS)
-  text = exp.mlir_module()
-  assert exp.platforms == ("tpu",)
-  assert text.count("tpu_custom_call") >= 3      # gmm fwd, gmm for d lhs, tgmm for d rhs
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
-def test_lowers_for_cuda_triton():
-  # Triton lowering; its custom call has no stability guarantee, so export needs that one safety
-  # check disabled. On a GPU backend the kernels pass Triton CompilerParams themselves. Exported
-  # from a CPU host they pass none: jax 0.10 then picks the lowering by the config flag
-  # `jax_pallas_use_mosaic_gpu` (default Mosaic GPU, which rejects a plain dot), so the test sets
-  # it to False; jax >= 0.11 dropped that flag (Triton is the pallas_call default on GPU there).
-  has_flag = hasattr(jax.config, "jax_pallas_use_mosaic_gpu")
+def _export_text(fn, specs, platform):
+  """StableHLO text of jit(fn) exported for one platform.
+
+  cuda: the Triton lowering; its custom call has no stability guarantee, so export needs that
+  one safety check disabled. On a GPU backend the kernels pass Triton CompilerParams
+  themselves. Exported from a CPU host they pass none: jax 0.10 then picks the lowering by the
+  config flag `jax_pallas_use_mosaic_gpu` (default Mosaic GPU, which rejects a plain dot), so
+  it is set to False here and restored; jax >= 0.11 dropped that flag (Triton is the
+  pallas_call default on GPU there)."""
+  kw = {}
+  has_flag = platform == "cuda" and hasattr(jax.config, "jax_pallas_use_mosaic_gpu")
+  if platform == "cuda":
+    kw["disabled_checks"] = [jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])]
   if has_flag:
     prev = jax.config.jax_pallas_use_mosaic_gpu
     jax.config.update("jax_pallas_use_mosaic_gpu", False)
   try:
-    exp = jax.export.export(
-        jax.jit(_fwd_and_grad), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*SPECS)
+    exp = jax.export.export(jax.jit(fn), platforms=[platform], **kw)(*specs)
   finally:
     if has_flag:
       jax.config.update("jax_pallas_use_mosaic_gpu", prev)
-  assert exp.platforms == ("cuda",)
-  assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= 3
+  assert exp.platforms == (platform,)
+  return exp.mlir_module()
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowers_for_tpu_mosaic_and_cuda_triton(platform):
+  text = _export_text(_fwd_and_grad, SPECS, platform)
+  assert text.count(CUSTOM_CALL[platform]) >= 3      # gmm fwd, gmm for d lhs, tgmm for d rhs
 
 
 def _mxfp4_fwd_and_grad(lhs, packed, scale, sizes):
@@ -237,22 +242,9 @@ MXFP4_SPECS = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
 def test_mxfp4_gmm_lowers(platform):
   """The in-kernel MXFP4 gmm (uint8 loads, nibble and scale decoding by integer ops and
   selects) lowers for Mosaic TPU and Triton; its backward is the dense gmm (two kernels)."""
-  call = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
-  kw = {}
-  has_flag = platform == "cuda" and hasattr(jax.config, "jax_pallas_use_mosaic_gpu")
-  if platform == "cuda":
-    kw["disabled_checks"] = [jax.export.DisabledSafetyCheck.custom_call(call)]
-  if has_flag:
-    prev = jax.config.jax_pallas_use_mosaic_gpu
-    jax.config.update("jax_pallas_use_mosaic_gpu", False)
-  try:
-    exp = jax.export.export(jax.jit(_mxfp4_fwd_and_grad), platforms=[platform], **kw)(
-        *MXFP4_SPECS)
-  finally:
-    if has_flag:
-      jax.config.update("jax_pallas_use_mosaic_gpu", prev)
-  text = exp.mlir_module()
-  assert text.count(call) == 3 and "_gmm_mxfp4_kernel" in text     # forward twice, d lhs once
+  text = _export_text(_mxfp4_fwd_and_grad, MXFP4_SPECS, platform)
+  # forward twice (value, and inside grad), d lhs once
+  assert text.count(CUSTOM_CALL[platform]) == 3 and "_gmm_mxfp4_kernel" in text
 
 
 def test_expert_mlp_through_the_mxfp4_kernel_equals_the_sorted_path():
