@@ -118,14 +118,15 @@ def _inputs(b, t, h, d, seed=0):
   return dict(q=q, k=k, v=v, g=g, beta=beta, do=do, ds=ds)
 
 
+def _seconds(fn):
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
 def _median_time(fn, repeats):
   fn()  # warm-up (and any lazy allocation)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  return float(np.median([_seconds(fn) for _ in range(repeats)]))
 
 
 # ----------------------------------------------------------------------------- JAX
@@ -202,7 +203,8 @@ def kda_forward_cost(b, t, h, dk, dv, chunk, dtype):
   C·(dk + dv)/2 for the intra-chunk products), ×2 per multiply-add. Bytes: the least any
   implementation moves: q, k, v, beta in `dtype` and g in fp32 read once, o in `dtype` and the
   fp32 final state written once."""
-  isz = {"bfloat16": 2, "float16": 2}.get(str(dtype)) or np.dtype(dtype).itemsize
+  import jax.numpy as jnp
+  isz = jnp.dtype(dtype).itemsize
   flops = 2.0 * b * t * h * (2 * dk * dv + chunk * (dk + dv) / 2)
   per_token = h * (isz * (2 * dk + dv + 1) + 4 * dk + isz * dv)
   return flops, float(b * t * per_token + b * h * dk * dv * 4)
@@ -220,11 +222,8 @@ def device_ceilings(dtype, repeats=5):
   peak = metrics.matmul_peak(n=1024 if cpu else 8192, repeats=repeats, dtype=jnp.dtype(dtype))
   x = jnp.zeros(((16 if cpu else 256) * 2**20,), jnp.float32)
   f = jax.jit(lambda a: a + 1.0)
-  best = _median_time(lambda: jax.block_until_ready(f(x)), 1)
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
-    best = min(best, time.perf_counter() - t0)
+  jax.block_until_ready(f(x))                        # compile + warm-up
+  best = min(_seconds(lambda: jax.block_until_ready(f(x))) for _ in range(repeats))
   return dict(matmul_flops_per_s=peak, memory_bytes_per_s=2.0 * x.nbytes / best)
 
 

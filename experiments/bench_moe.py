@@ -136,19 +136,18 @@ def drop_fractions(n, d, f, e, k, names, seed=0):
   return out
 
 
-FAILED = {}   # method name -> the error its compile or first run raised (reported, not timed)
-
-
-def _time_round_robin(calls, repeats):
+def _time_round_robin(calls, repeats, failed=None):
   """{name: (min_ms, median_ms)}; calls {name: (fn, args, repeats)} are compiled first, then
-  timed in turns (A B C A B C …) so that drift of a shared machine hits all rows alike. A
-  call whose compile or first run fails (a kernel over a device limit) is left out, its error
-  kept in FAILED, and the others are timed."""
+  timed in turns (A B C A B C …) so that drift of a shared machine hits all rows alike. With a
+  `failed` dict, a call whose compile or first run fails (a kernel over a device limit) is left
+  out, its error recorded there, and the others are timed; without one the error propagates."""
   for name, (fn, args, _) in list(calls.items()):
     try:
       jax.block_until_ready(fn(*args))               # compile + warm-up
     except Exception as e:  # noqa: BLE001 - any failure of one method is reported, not fatal
-      FAILED[name] = f"{type(e).__name__}: {str(e)[:300]}"
+      if failed is None:
+        raise
+      failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
       del calls[name]
   ts = {name: [] for name in calls}
   for i in range(max(r for _, _, r in calls.values())):
@@ -169,8 +168,9 @@ def gather_mlp(x, weights, indices, w1, w3, w2):
 
 
 def bench_experts(n, d, f, e, k, methods, repeats, dtype=jnp.float32):
-  """{name: (min_ms, median_ms)} for the expert MLP fwd+bwd and the dense reference, inputs
-  and weights in `dtype`."""
+  """({name: (min_ms, median_ms) or None}, {name: error}) for the expert MLP fwd+bwd and the
+  dense reference, inputs and weights in `dtype`: None for a method skipped (Pallas on CPU) or
+  failed (its error in the second dict)."""
   x, weights, indices, w1, w3, w2 = _problem(n, d, f, e, k, dtype=dtype)
   probe = jnp.ones((n, d), jnp.float32) / n
   res, calls = {}, {}
@@ -212,8 +212,10 @@ def bench_experts(n, d, f, e, k, methods, repeats, dtype=jnp.float32):
 
   calls["dense"] = (jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2, 3))),
                     (x, d1, d3, d2), repeats)
-  timed = _time_round_robin(calls, repeats)
-  return {name: res[name] if name in res else timed.get(name) for name in [*methods, "dense"]}
+  failed = {}
+  timed = _time_round_robin(calls, repeats, failed)
+  return ({name: res[name] if name in res else timed.get(name) for name in [*methods, "dense"]},
+          failed)
 
 
 def bench_qat(n, d, f, e, k, repeats):
@@ -312,18 +314,18 @@ def main(argv):
   load = os.getloadavg()[0]
   print(f"backend={jax.default_backend()} devices={jax.device_count()} cpus={os.cpu_count()} "
         f"load1={load:.1f}  N={n} D={d} F={f} E={e} k={k}  {FLAGS.dtype}, fwd+bwd")
-  res = bench_experts(n, d, f, e, k, FLAGS.methods, FLAGS.repeats, dtype)
+  res, failed = bench_experts(n, d, f, e, k, FLAGS.methods, FLAGS.repeats, dtype)
   drops = drop_fractions(n, d, f, e, k, FLAGS.methods)
   dense = res["dense"][0]
   ns = FLAGS.small_tokens
-  small = bench_experts(ns, d, f, e, k, FLAGS.small_methods,
-                       FLAGS.repeats, dtype) if FLAGS.small_methods else {}
+  small, small_failed = (bench_experts(ns, d, f, e, k, FLAGS.small_methods, FLAGS.repeats,
+                                       dtype) if FLAGS.small_methods else ({}, {}))
   print(f"{'method':<14}{'tokens':>8}{'min ms':>10}{'median ms':>12}{'× dense':>10}"
         f"{'dropped (bench / skewed+QB router)':>38}")
-  for tokens, table in ((n, res), (ns, small)):
+  for tokens, table, errors in ((n, res, failed), (ns, small, small_failed)):
     for name, v in table.items():
       if v is None:
-        why = FAILED.get(name, "skipped (Pallas interpret mode on CPU)")
+        why = errors.get(name, "skipped (Pallas interpret mode on CPU)")
         print(f"{name:<14}{tokens:>8}  {why}")
         continue
       dr = drops.get(name) if tokens == n else None
@@ -355,7 +357,7 @@ def main(argv):
       "methods_ms": {m: (None if v is None else v[0]) for m, v in res.items()},
       "small_tokens": ns,
       "small_methods_ms": {m: (None if v is None else v[0]) for m, v in small.items()},
-      "dropped_fraction": drops, **rd, "failed": dict(FAILED),
+      "dropped_fraction": drops, **rd, "failed": failed, "small_failed": small_failed,
       "layer_ms": layer_ms,
       "qat_ms": {m: v[0] for m, v in qat_ms.items()},
       "qat_overhead": qat_ms["sort+qat"][0] / qat_ms["sort"][0] if qat_ms else None,
