@@ -231,7 +231,6 @@ def test_packed_chunk_step_matches_token_loop(seed, gate_scale, starts):
   assert _rel_err(o, o_ref) < 1e-4 and _rel_err(s_new, s_ref) < 1e-4
 
 
-
 def test_unit_lower_inverse_by_doubling():
   r = np.random.default_rng(0)
   n = np.tril(r.standard_normal((64, 64)) * 0.3, -1).astype(np.float32)
