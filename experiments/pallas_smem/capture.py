@@ -34,15 +34,16 @@ from jax import export
 TRITON_CALL = "__gpu$xla.gpu.triton"
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                       "docs", "sm90_kernels.json")
-# The configurations the GPU target runs (pallas_kernels: GPU_MAX_CHUNK, block_v 64,
-# GPU_TILING): K3's and Kimi Linear's KDA heads (K = V = 128) in bf16 and fp32, packed and not,
-# bounded gate (K3) and unbounded (Kimi Linear); the grouped matmul's tiles in bf16, dense and
-# over MXFP4 experts.
+# The configurations the GPU target runs (pallas_kernels: GPU_MAX_CHUNK, GPU_BLOCK_V,
+# GPU_TILING): K3's and Kimi Linear's KDA heads (K = V = 128) in bf16, packed and not, bounded
+# gate (K3) and unbounded (Kimi Linear), and fp32 inputs; the grouped matmul's tiles in bf16,
+# dense and over MXFP4 experts.
 REPORT_CASES = (
-    "kda_case(jnp.bfloat16, 128, 128, 32, 64)",
-    "kda_case(jnp.bfloat16, 128, 128, 32, 64, packed=True)",
-    "kda_case(jnp.float32, 128, 128, 16, 64)",
+    "kda_case(jnp.bfloat16, 128, 128, 16, 64)",
+    "kda_case(jnp.bfloat16, 128, 128, 16, 64, packed=True)",
     "kda_case(jnp.bfloat16, 128, 128, 16, 64, bounded=False)",
+    "kda_case(jnp.bfloat16, 128, 128, 16, 64, packed=True, bounded=False)",
+    "kda_case(jnp.float32, 128, 128, 16, 16)",
     "gmm_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
     "gmm_mxfp4_case(jnp.bfloat16, 512, 256, 256, 8, (64, 64, 128))",
 )
@@ -79,8 +80,10 @@ def _export(fn, args):
 
 
 def kda_case(dtype, dk, dv, chunk, block_v, packed=False, bounded=True, t=256):
-  """Lowers the KDA forward and backward kernels (one head, T tokens; `packed`: 3 documents;
-  `bounded=False`: an unbounded gate, the pairwise diagonal tiles)."""
+  """Lowers the KDA kernels of a forward and backward pass (one head, T tokens; `packed`: 3
+  documents; `bounded=False`: an unbounded gate, the pairwise diagonal tiles), in the order
+  intra fwd, state fwd, intra fwd keeping A_kk (the backward's recompute), state bwd, wy bwd,
+  a bwd."""
   from pallas_kernels.kda_chunk import kda_chunked_pallas
   s = lambda *shape, d=dtype: jax.ShapeDtypeStruct(shape, d)
   f32 = jnp.float32

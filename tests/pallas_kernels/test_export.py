@@ -56,14 +56,16 @@ def _kda(target, packed=False, bounded=True):
     ("tpu", jnp.bfloat16, True, True), ("cuda", jnp.bfloat16, True, True),
     ("tpu", jnp.bfloat16, False, False), ("cuda", jnp.bfloat16, False, False)])
 def test_kda_chunk_lowers(platform, dtype, packed, bounded):
-  """Forward: one kernel (kda_chunk_fwd); forward+backward: both kernels; packed documents
-  (segment ids) add one input to each; an unbounded gate (Kimi Linear) takes the pairwise
-  diagonal tiles."""
+  """Forward: the per-chunk and the state kernel; forward+backward: those, the per-chunk kernel
+  again (the backward recomputes the intermediates), the state backward and the two per-chunk
+  backward kernels. Packed documents (segment ids) add an input to the intra kernels; an unbounded gate (Kimi
+  Linear) takes the pairwise diagonal tiles."""
   fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu", packed, bounded)
   args = _kda_args(dtype)
   text = export_for(fwd, args, platform)
-  assert text.count(_CUSTOM_CALL[platform]) == 1
-  assert "kda_chunk_fwd" in text
-  text = export_for(fwd_bwd, args, platform)
   assert text.count(_CUSTOM_CALL[platform]) == 2
-  assert "kda_chunk_fwd" in text and "kda_chunk_bwd" in text
+  assert "kda_intra_fwd" in text and "kda_state_fwd" in text
+  text = export_for(fwd_bwd, args, platform)
+  assert text.count(_CUSTOM_CALL[platform]) == 6
+  for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_wy_bwd", "kda_a_bwd"):
+    assert name in text

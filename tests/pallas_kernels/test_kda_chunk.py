@@ -240,6 +240,84 @@ def test_unit_lower_inverse_by_doubling():
                              rtol=1e-4, atol=1e-4)
 
 
+# ------------------------------------------------- written-out vjps against jax.vjp (pure jnp)
+def _chunk_inputs(seed, c=32, dk=16, dv=8, gate="bounded", packed=False, dtype=np.float32):
+  r = np.random.default_rng(seed)
+  q, k = (jnp.asarray(r.standard_normal((c, dk)) * 0.3, dtype) for _ in range(2))
+  v = jnp.asarray(r.standard_normal((c, dv)), dtype)
+  if gate == "bounded":
+    g = -5.0 / (1.0 + np.exp(-3.0 * r.standard_normal((c, dk))))
+  else:
+    g = -30.0 * r.uniform(size=(c, dk)) ** 3
+  beta = 1.0 / (1.0 + np.exp(-r.standard_normal((c, 1))))
+  sc = None
+  if packed:   # starts inside the chunk, one at its first token's successor
+    flags = np.zeros(c, bool)
+    flags[[1, c // 2, c // 2 + 3]] = True
+    sc = jnp.asarray(np.cumsum(flags)[:, None], jnp.float32)
+  return q, k, v, jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32), sc
+
+
+def _cotangents(seed, shapes):
+  r = np.random.default_rng(seed + 1)
+  return tuple(jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes)
+
+
+@pytest.mark.parametrize("gate,packed", [("bounded", False), ("bounded", True),
+                                         ("unbounded", False), ("unbounded", True)])
+def test_chunk_wy_vjp_is_jax_vjp(gate, packed):
+  """`_chunk_wy_vjp` (the backward kernel's hand-written transpose) = jax.vjp of `_chunk_wy`."""
+  bounded = gate == "bounded"
+  q, k, v, g, beta, sc = _chunk_inputs(0, gate=gate, packed=packed)
+  a_kk, _ = kda_chunk._chunk_a(q, k, g, beta, sc, bounded=bounded)
+  fn = functools.partial(kda_chunk._chunk_wy, sc=sc, bounded=bounded)
+  outs, pull = jax.vjp(fn, q, k, v, g, beta, a_kk)
+  cts = _cotangents(0, [o.shape for o in outs])
+  want = dict(zip(("q", "k", "v", "g", "beta", "a_kk"), pull(cts)))
+  want["a_kk"] = jnp.tril(want["a_kk"], -1)     # a_kk is strictly lower: the rest is unused
+  src = dict(zip(("q", "k", "v", "g", "beta", "a_kk", "dw", "du", "dqg", "dkdec", "ddecay"),
+                 (q, k, v, g, beta, a_kk) + cts))
+  got = {}
+  kda_chunk._chunk_wy_vjp(src.__getitem__, got.__setitem__, sc, bounded)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    assert _rel_err(got[name], want[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_state_step_vjp_is_jax_vjp(dtype):
+  """`_state_step_vjp` (the state backward kernel's) = jax.vjp of `_state_step`, with the
+  intermediates stored in the input dtype as the kernels store them."""
+  q, k, v, g, beta, _ = _chunk_inputs(1, dtype=dtype)
+  inter = kda_chunk._chunk_intra(q, k, v, g, beta)
+  inter = [x.astype(dtype) if n in (0, 2, 3, 4) else x for n, x in enumerate(inter)]
+  s = jnp.asarray(np.random.default_rng(2).standard_normal((16, 8)), jnp.float32)
+  cd = jnp.dtype(dtype)
+  f32 = jnp.float32
+  fn = lambda *a: kda_chunk._state_step(*a, cd=cd, dot=kda_chunk._dot_vjp)
+  (o, s_new), pull = jax.vjp(fn, *(x.astype(f32) for x in inter), s)
+  do, ds = _cotangents(1, [o.shape, s_new.shape])
+  want = pull((do, ds))
+  got = {}
+  ds_before = kda_chunk._state_step_vjp(*inter, s, do, ds, cd, got.__setitem__)
+  tol = 1e-5 if dtype == np.float32 else 1e-2
+  for name, w in zip(kda_chunk._INTER_NAMES, want[:-1]):
+    assert _rel_err(got[name], w) < tol, name
+  assert _rel_err(ds_before, want[-1]) < tol
+
+
+def test_pairwise_tiles_vjp_recomputes_the_same_gradient():
+  """The pairwise diagonal tiles' custom vjp (each pass recomputed) = autodiff of the plain
+  passes."""
+  q, k, _, g, _, _ = _chunk_inputs(3, gate="unbounded")
+  qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
+  cts = _cotangents(3, [(32, 32), (32, 32)])
+  _, pull_ref = jax.vjp(kda_chunk._diagonal_tiles_pairwise, qf, kf, g)
+  _, pull = jax.vjp(kda_chunk._diagonal_tiles_pairwise_vjp, qf, kf, g)
+  for got, want in zip(pull(cts), pull_ref(cts)):
+    assert _rel_err(got, want) < 1e-5
+
+
 # --------------------------------------------------------------------- contract and errors
 def test_backend_dispatches_to_kernel():
   for bound in (-5.0, None):    # K3's bounded gate, Kimi Linear's unbounded one
