@@ -451,3 +451,29 @@ def test_unbounded_gates_match_recurrent(launch):
   for name, a, r in zip(_NAMES, _grads(pallas, args), _grads(lambda *a: kda.kda_recurrent(
       *a[:5], initial_state=a[5]), args)):
     assert _rel_err(a, r) < 1e-4, (name, _rel_err(a, r))
+
+
+# --------------------------------------------------------------------- the GPU target's sizes
+@pytest.mark.parametrize("model", ["k3", "kimi_linear"])
+def test_full_head_dim_at_gpu_sizes_matches_xla_op(model):
+  """K = V = 128, bf16 inputs, the launch form and sizes the GPU target compiles (one program
+  per head and V block of 64, chunk 16; interpreted on CPU, compiled on a GPU): values and the
+  six gradients equal the XLA op's (`kda_chunked`, same bf16 inputs). K3: the bounded gate with
+  packed documents; Kimi Linear: the unbounded gate."""
+  bounded = model == "k3"
+  q, k, v, g, beta, s0 = _inputs(11, 1, 40, 2, 128, 128, dtype=jnp.bfloat16)
+  if not bounded:
+    z = 3.0 * jax.random.normal(jax.random.PRNGKey(6), q.shape)
+    g = kda.kda_gate(z, jnp.log(jnp.full((2,), 4.0)), jnp.zeros((2, 128)), lower_bound=None)
+  seg = jnp.asarray([[0] * 7 + [1] * 20 + [2] * 13]) if bounded else None
+  bound = -5.0 if bounded else None
+  pallas = lambda *a: kda_chunked_pallas(*a[:5], initial_state=a[5], segment_ids=seg,
+                                         lower_bound=bound, launch="loop", chunk_size=16,
+                                         block_v=64)
+  xla = lambda *a: kda.kda_chunked(*a[:5], initial_state=a[5], segment_ids=seg)
+  args = (q, k, v, g, beta, s0)
+  (o, s), (o_x, s_x) = jax.jit(pallas)(*args), jax.jit(xla)(*args)
+  assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+  assert _rel_err(o, o_x) < 1e-2 and _rel_err(s, s_x) < 1e-2
+  for name, a, r in zip(_NAMES, _grads(pallas, args), _grads(xla, args)):
+    assert _rel_err(a, r) < 2e-2, (name, _rel_err(a, r))
