@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import timing
+
 _QUICK = flags.DEFINE_bool("quick", False, "Small contexts/lengths (smoke mode).")
 _CONTEXTS = flags.DEFINE_string("contexts", None, "Decode contexts, comma separated.")
 _LONG = flags.DEFINE_string("long_lengths", None, "Long prefill lengths, comma separated.")
@@ -58,16 +60,6 @@ _K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
 
 def _peak_rss_gb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
-def _time(fn, steps):
-  jax.block_until_ready(fn())  # compile + warm up
-  ts = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
 
 
 def _variables(cfg):
@@ -116,7 +108,7 @@ def k3_shaped(steps: int) -> dict:
   logits, _ = G.decode_step(cfg, v, cache, tok)
   jax.block_until_ready(logits)
   first = time.perf_counter() - t0
-  step = _time(lambda: G.decode_step(cfg, v, cache, tok)[0], steps)
+  step = timing.median_seconds(lambda: G.decode_step(cfg, v, cache, tok)[0], steps)
   return {"config": "tiny widths, 93 layers (K3 layout)", "layout": cfg.stack_layout(),
           "backend": jax.default_backend(), "first_call_s": first, "step_ms": step * 1e3,
           "compile_s": first - step}
@@ -145,13 +137,8 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
     outs = [np.asarray(f()[0]) for f in calls]   # compile + warm up
     if not np.array_equal(outs[0].argmax(-1), outs[1].argmax(-1)):
       print(f"note: greedy tokens differ at context {ctx} (MXFP4 rounding of the experts)")
-    ts = [[], []]
-    for _ in range(steps):
-      for i, f in enumerate(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        ts[i].append(time.perf_counter() - t0)
-    f_ms, p_ms = (1e3 * statistics.median(t) for t in ts)
+    ts = timing.round_robin(dict(zip(("float", "packed"), calls)), steps)
+    f_ms, p_ms = (1e3 * statistics.median(ts[name]) for name in ("float", "packed"))
     res["float_ms"].append(f_ms)
     res["packed_ms"].append(p_ms)
     res["ratio"].append(p_ms / f_ms)
@@ -206,9 +193,9 @@ def main(argv):
     tok = jnp.array([1], jnp.int32)
     step = G._decode_jit(cfg)
     one = jnp.ones((1,), jnp.int32)
-    hybrid.append(_time(lambda: step(v, cache, tok, one)[0], _STEPS.value))
+    hybrid.append(timing.median_seconds(lambda: step(v, cache, tok, one)[0], _STEPS.value))
     x = jax.random.normal(key, (1, 1, cfg.d_model))
-    kda_times.append(_time(lambda: kda_step(kda_caches, x, one)[0], _STEPS.value))
+    kda_times.append(timing.median_seconds(lambda: kda_step(kda_caches, x, one)[0], _STEPS.value))
   res["decode_ms_hybrid"] = [t * 1e3 for t in hybrid]
   res["decode_ms_kda_only"] = [t * 1e3 for t in kda_times]
   res["kda_only_ratio_last_first"] = kda_times[-1] / kda_times[0]

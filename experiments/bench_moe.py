@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 
 from absl import app, flags
 
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import timing
 from k3jax.ops import moe
 
 FLAGS = flags.FLAGS
@@ -62,15 +62,13 @@ flags.DEFINE_bool("extras", True, "also time ragged_dot vs a dense matmul and QA
 flags.DEFINE_string("out", None, "also write the JSON object to this path")
 
 
+def _ms(seconds):
+  """(min_ms, median_ms) of a list of run times."""
+  return 1e3 * min(seconds), 1e3 * float(np.median(seconds))
+
+
 def _time(fn, *args, repeats):
-  out = fn(*args)
-  jax.block_until_ready(out)                         # compile + warm-up
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * min(ts), 1e3 * float(np.median(ts))
+  return _ms(timing.round_robin({"fn": lambda: fn(*args)}, repeats)["fn"])
 
 
 def _problem(n, d, f, e, k, seed=0, dtype=jnp.float32):
@@ -136,27 +134,12 @@ def drop_fractions(n, d, f, e, k, names, seed=0):
   return out
 
 
-def _time_round_robin(calls, repeats, failed=None):
-  """{name: (min_ms, median_ms)}; calls {name: (fn, args, repeats)} are compiled first, then
-  timed in turns (A B C A B C …) so that drift of a shared machine hits all rows alike. With a
-  `failed` dict, a call whose compile or first run fails (a kernel over a device limit) is left
-  out, its error recorded there, and the others are timed; without one the error propagates."""
-  for name, (fn, args, _) in list(calls.items()):
-    try:
-      jax.block_until_ready(fn(*args))               # compile + warm-up
-    except Exception as e:  # noqa: BLE001 - any failure of one method is reported, not fatal
-      if failed is None:
-        raise
-      failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
-      del calls[name]
-  ts = {name: [] for name in calls}
-  for i in range(max(r for _, _, r in calls.values())):
-    for name, (fn, args, r) in calls.items():
-      if i < r:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts[name].append(time.perf_counter() - t0)
-  return {name: (1e3 * min(v), 1e3 * float(np.median(v))) for name, v in ts.items()}
+def _time_round_robin(calls, failed=None):
+  """{name: (min_ms, median_ms)} of calls {name: (fn, args, repeats)} (`timing.round_robin`)."""
+  ts = timing.round_robin({name: (lambda fn=fn, args=args: fn(*args))
+                           for name, (fn, args, _) in calls.items()},
+                          {name: r for name, (_, _, r) in calls.items()}, failed)
+  return {name: _ms(v) for name, v in ts.items()}
 
 
 def gather_mlp(x, weights, indices, w1, w3, w2):
@@ -213,7 +196,7 @@ def bench_experts(n, d, f, e, k, methods, repeats, dtype=jnp.float32):
   calls["dense"] = (jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2, 3))),
                     (x, d1, d3, d2), repeats)
   failed = {}
-  timed = _time_round_robin(calls, repeats, failed)
+  timed = _time_round_robin(calls, failed)
   return ({name: res[name] if name in res else timed.get(name) for name in [*methods, "dense"]},
           failed)
 
@@ -260,7 +243,7 @@ def bench_qat(n, d, f, e, k, repeats):
       "mxfp4 weights, codec": (jax.jit(codec_weights), (w1, w3, w2), repeats),
       "mxfp4 weights, fake_round": (jax.jit(direct_weights), (w1, w3, w2), repeats),
       "mxfp8 inputs, codec": (jax.jit(codec_inputs), (rows, hidden), repeats),
-      "mxfp8 inputs, fake_round": (jax.jit(direct_inputs), (rows, hidden), repeats)}, repeats)
+      "mxfp8 inputs, fake_round": (jax.jit(direct_inputs), (rows, hidden), repeats)})
 
 
 def bench_ragged_dot(n, d, f, e, k, repeats):

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import timing
+
 # (t, h, w) per sample: 512 + 192 + 112 + 96 + 64 + 32 + 16 = 1024 patches, one 1024 bucket.
 DEFAULT_GRID = "1x16x32,1x12x16,1x8x14,2x6x8,1x8x8,1x4x8,1x2x8"
 
@@ -71,16 +73,9 @@ def parse_grid(text: str) -> np.ndarray:
 
 
 def _time_round_robin(calls: dict, repeats: int) -> dict:
-  """{name: min seconds}; calls {name: (fn, args)} are compiled first, then timed in turns
-  (A B C A B C …) so that drift of a shared machine hits every row alike."""
-  for fn, args in calls.values():
-    jax.block_until_ready(fn(*args))                 # compile + warm-up
-  ts = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, (fn, args) in calls.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      ts[name].append(time.perf_counter() - t0)
+  """{name: min seconds} of calls {name: (fn, args)} (`timing.round_robin`)."""
+  ts = timing.round_robin({name: (lambda fn=fn, args=args: fn(*args))
+                           for name, (fn, args) in calls.items()}, repeats)
   return {name: min(v) for name, v in ts.items()}
 
 
