@@ -65,9 +65,10 @@ pair of one segment only spans its own gates, so the rescale bounds above still 
 Unbounded gates (Kimi Linear's softplus decay, `lower_bound=None`): the diagonal tiles are
 formed pair by pair, exp(sum of g over j < t <= i) for i >= j, so every exponent is <= 0
 whatever the gate (`_diagonal_tiles_pairwise`: 16 passes, one per position in a tile, each two
-0/1 matmuls and [C, K] elementwise work, a loop rather than unrolled). Every other exponent (off-diagonal rows and keys,
-the state update's suffix) is likewise summed over exactly its own gates: with large gates a
-difference of two cumulative sums loses digits (2.5e-4 relative at gates of -300).
+0/1 matmuls and [C, K] elementwise work, a loop rather than unrolled). Every other exponent
+(off-diagonal rows and keys, the state update's suffix) is likewise summed over exactly its
+own gates: with large gates a difference of two cumulative sums loses digits (2.5e-4 relative
+at gates of -300).
 
 Limits: the bounded form needs g >= lower_bound >= -5 (see kda_chunked_pallas for how a
 violation is reported); chunk_size a power of 2 >= 16 (Triton needs power-of-2 blocks).
