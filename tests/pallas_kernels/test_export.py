@@ -58,8 +58,8 @@ def _kda(target, packed=False, bounded=True):
 def test_kda_chunk_lowers(platform, dtype, packed, bounded):
   """Forward: the per-chunk and the state kernel; forward+backward: those, the per-chunk kernel
   again (the backward recomputes the intermediates), the state backward and the two per-chunk
-  backward kernels. Packed documents (segment ids) add an input to the intra kernels; an unbounded gate (Kimi
-  Linear) takes the pairwise diagonal tiles."""
+  backward kernels. Packed documents (segment ids) add an input to the per-chunk kernels; an
+  unbounded gate (Kimi Linear) takes the pairwise diagonal tiles."""
   fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu", packed, bounded)
   args = _kda_args(dtype)
   text = export_for(fwd, args, platform)
