@@ -29,7 +29,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 
 import numpy as np
 from absl import app, flags
@@ -118,17 +117,6 @@ def _inputs(b, t, h, d, seed=0):
   return dict(q=q, k=k, v=v, g=g, beta=beta, do=do, ds=ds)
 
 
-def _seconds(fn):
-  t0 = time.perf_counter()
-  fn()
-  return time.perf_counter() - t0
-
-
-def _median_time(fn, repeats):
-  fn()  # warm-up (and any lazy allocation)
-  return float(np.median([_seconds(fn) for _ in range(repeats)]))
-
-
 # ----------------------------------------------------------------------------- JAX
 
 
@@ -160,6 +148,7 @@ def _jax_impl(name, backend, chunk_size, doc_len=None):
 def _bench_jax(fn, data, dtype, args):
   import jax
   import jax.numpy as jnp
+  from experiments import timing
 
   cast = lambda x: jnp.asarray(x, dtype)
   xs = tuple(cast(data[n]) for n in ("q", "k", "v")) + (
@@ -188,8 +177,7 @@ def _bench_jax(fn, data, dtype, args):
       row[f"{key}_s"] = None
       row[f"{key}_skipped"] = f"temp {temp / 2**30:.1f} GiB > --max_run_gib"
       continue
-    row[f"{key}_s"] = _median_time(
-        lambda: jax.block_until_ready(compiled[key](*xs)), args.repeats)
+    row[f"{key}_s"] = timing.median_seconds(lambda: compiled[key](*xs), args.repeats)
   out = None
   if row.get("fwd_s") is not None:
     o, _ = compiled["fwd"](*xs)
@@ -217,13 +205,13 @@ def device_ceilings(dtype, repeats=5):
   every byte once."""
   import jax
   import jax.numpy as jnp
+  from experiments import timing
   from k3jax.train import metrics
   cpu = jax.default_backend() == "cpu"
-  peak = metrics.matmul_peak(n=1024 if cpu else 8192, repeats=repeats, dtype=jnp.dtype(dtype))
+  peak = metrics.matmul_peak(repeats=repeats, dtype=jnp.dtype(dtype))
   x = jnp.zeros(((16 if cpu else 256) * 2**20,), jnp.float32)
   f = jax.jit(lambda a: a + 1.0)
-  jax.block_until_ready(f(x))                        # compile + warm-up
-  best = min(_seconds(lambda: jax.block_until_ready(f(x))) for _ in range(repeats))
+  best = min(timing.round_robin({"add": lambda: f(x)}, repeats)["add"])
   return dict(matmul_flops_per_s=peak, memory_bytes_per_s=2.0 * x.nbytes / best)
 
 
@@ -277,6 +265,7 @@ def _load_fla_naive():
 
 def _bench_torch(fn, data, dtype, args, device="cpu"):
   import torch
+  from experiments import timing
 
   tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
   mk = lambda n, dt=tdt: torch.tensor(data[n], device=device, dtype=dt)
@@ -299,8 +288,8 @@ def _bench_torch(fn, data, dtype, args, device="cpu"):
     sync()
 
   row = {"fwd_temp_bytes": None, "fwdbwd_temp_bytes": None}
-  row["fwd_s"] = _median_time(fwd, args.repeats)
-  row["fwdbwd_s"] = _median_time(fwdbwd, args.repeats)
+  row["fwd_s"] = timing.median_seconds(fwd, args.repeats)
+  row["fwdbwd_s"] = timing.median_seconds(fwdbwd, args.repeats)
   o, _ = fwd()
   return row, o.float().cpu().numpy()
 

@@ -262,10 +262,8 @@ def train(cfg, workdir: str, *, until: int | None = None, mesh=None,
 
   end = t.steps if until is None else min(t.steps, until)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=t.get("tensorboard", True))
-  # MFU's ceiling: the matmul rate of this device in the model's compute dtype, measured now
-  # (8192² on an accelerator, where 1024² is far from its peak).
-  peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak(
-      n=1024 if jax.default_backend() == "cpu" else 8192, dtype=jnp.dtype(config.dtype))
+  # MFU's ceiling: the matmul rate of this device in the model's compute dtype, measured now.
+  peak = t.get("peak_flops", 0.0) or metrics_lib.matmul_peak(dtype=jnp.dtype(config.dtype))
   muon_fps = (metrics_lib.muon_flops_per_step(
       state.params, freeze_experts=bool(t.get("freeze_experts", False)))
       if cfg.optim.muon and not config.lora_rank else 0.0)
