@@ -367,8 +367,7 @@ def gmm(lhs: Array, rhs: Array, group_sizes: Array, *, interpret: bool | None = 
   _check(lhs, rhs, group_sizes, "gmm")
   if isinstance(rhs, moe_ops.MXFP4Weight):
     g, n, half = rhs.packed.shape if rhs.packed.ndim == 3 else (None, None, None)
-    if (g is None or half * 2 != lhs.shape[1] or rhs.packed.dtype != jnp.uint8
-        or rhs.scale.dtype != jnp.uint8 or rhs.scale.shape != (g, n, half * 2 // MX_BLOCK)):
+    if g is None or half * 2 != lhs.shape[1] or not rhs.well_formed:
       raise ValueError(f"gmm: an MXFP4Weight rhs must be uint8 packed [G, N, K/2 = "
                        f"{lhs.shape[1] // 2}] + uint8 scale [G, N, K/32], found "
                        f"{rhs.packed.dtype} {rhs.packed.shape} + {rhs.scale.dtype} "

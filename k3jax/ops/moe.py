@@ -84,6 +84,13 @@ class MXFP4Weight(NamedTuple):
     *lead, out, half = self.packed.shape
     return (*lead, half * 2, out)
 
+  @property
+  def well_formed(self) -> bool:
+    """uint8 bytes with one scale per 32 elements: scale [..., out, in/32] beside packed
+    [..., out, in/2]."""
+    return (self.packed.dtype == jnp.uint8 and self.scale.dtype == jnp.uint8
+            and self.scale.shape == (*self.packed.shape[:-1], self.packed.shape[-1] // 16))
+
   def dequantize(self, dtype) -> Array:
     """The kernel [..., E, in, out] in `dtype` (exact: E2M1 × 2^k fits bf16)."""
     from k3jax.quant import mx
@@ -371,8 +378,7 @@ def _validate(x, weights, indices, w1, w3, w2, capacity_, gmm=None):
                          f"{(e_, din, r)} and B [E, r, out] = {(e_, r, dout)}, found "
                          f"{w.a.shape} and {w.b.shape}")
       w = w.base
-    if is_packed(w) and (w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8 or
-                         w.scale.shape != (*w.packed.shape[:-1], w.packed.shape[-1] // 16)):
+    if is_packed(w) and not w.well_formed:
       raise ValueError(f"expert_mlp: {name} MXFP4Weight must be uint8 packed [E, out, in/2] + "
                        f"uint8 scale [E, out, in/32], found {w.packed.dtype} "
                        f"{w.packed.shape} + {w.scale.dtype} {w.scale.shape}")
