@@ -25,6 +25,8 @@ import time
 
 from absl import app, flags
 
+from experiments import results
+
 SHARDS = 96
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -115,13 +117,10 @@ def main(argv):
   print(f"{result['entries']} entries in {result['shards']} shards: check_only "
         f"{wall:.1f} s wall, {cpu:.1f} s CPU in-process; CLI {cli:.1f} s wall "
         f"(load {result['load_average']:.1f}; goal ≤ 10 s)")
-  text = json.dumps(result)
   if flags.FLAGS.out:
-    tmp_out = flags.FLAGS.out + ".tmp"
-    pathlib.Path(tmp_out).write_text(text + "\n")
-    os.replace(tmp_out, flags.FLAGS.out)
+    results.write_json(flags.FLAGS.out, result)
   if flags.FLAGS.json:
-    print(text)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import timing
+from experiments import results, timing
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small contexts/lengths (smoke mode).")
 _CONTEXTS = flags.DEFINE_string("contexts", None, "Decode contexts, comma separated.")
@@ -147,13 +147,9 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
 
 def _emit(res: dict) -> None:
   """Print the result as one JSON line and write it to --json_out (temporary file, renamed)."""
-  line = json.dumps(res)
-  print(line)
+  print(json.dumps(res))
   if _JSON.value:
-    tmp = _JSON.value + ".tmp"
-    with open(tmp, "w") as fh:
-      fh.write(line + "\n")
-    os.replace(tmp, _JSON.value)
+    results.write_json(_JSON.value, res)
 
 
 def main(argv):

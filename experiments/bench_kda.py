@@ -431,14 +431,11 @@ def main(argv):
   result["malloc"] = malloc
   _print_table(result)
   print(f"malloc: {malloc}")
-  text = json.dumps(result)
   if args.out:
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as fh:
-      fh.write(text + "\n")
-    os.replace(tmp, args.out)
+    from experiments import results
+    results.write_json(args.out, result)
   if args.json:
-    print(text)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

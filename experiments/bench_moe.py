@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import timing
+from experiments import results, timing
 from k3jax.ops import moe
 
 FLAGS = flags.FLAGS
@@ -348,10 +348,7 @@ def main(argv):
   if FLAGS.json:
     print(json.dumps(out))
   if FLAGS.out:
-    tmp = FLAGS.out + ".tmp"
-    with open(tmp, "w") as fh:
-      json.dump(out, fh, indent=1)
-    os.replace(tmp, FLAGS.out)
+    results.write_json(FLAGS.out, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -716,12 +716,10 @@ def run(a: flags.FlagValues) -> None:
 
   for r in results:
     _print(r)
-  blob = json.dumps({"results": results})
-  if a.out:  # written whole, then renamed: an interrupted run leaves no half file
-    with open(a.out + ".tmp", "w") as f:
-      f.write(blob + "\n")
-    os.replace(a.out + ".tmp", a.out)
-  print(blob)
+  if a.out:
+    from experiments import results as result_files
+    result_files.write_json(a.out, {"results": results})
+  print(json.dumps({"results": results}))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments import timing
+from experiments import results, timing
 
 # (t, h, w) per sample: 512 + 192 + 112 + 96 + 64 + 32 + 16 = 1024 patches, one 1024 bucket.
 DEFAULT_GRID = "1x16x32,1x12x16,1x8x14,2x6x8,1x8x8,1x4x8,1x2x8"
@@ -200,13 +200,9 @@ def _context_run(cfg, fn, args, context: int, repeats: int) -> dict:
 
 def _emit(res: dict, path: str | None) -> None:
   """Print the result as one JSON line and write it to `path` (temporary file, renamed)."""
-  line = json.dumps(res)
-  print(line)
+  print(json.dumps(res))
   if path:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-      fh.write(line + "\n")
-    os.replace(tmp, path)
+    results.write_json(path, res)
 
 
 def main(argv):

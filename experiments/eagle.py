@@ -16,13 +16,14 @@ checkpoint (config with `eagle_blocks`) is written under OUT/draft, usable by
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import sys
 import time
 
 from absl import app, flags
+
+from experiments import results
+
 
 def define_flags() -> None:
   """The command line's flags, defined only when run as a script: pytest workers import several
@@ -177,9 +178,7 @@ def run(checkpoint: str, out: str, *, json_path: str | None = None, blocks: str 
       "eval_prompts": eval_prompts, "max_new_tokens": max_new_tokens,
       "untuned_mtp": before, "eagle3": after, "curve": curve}
   path = pathlib.Path(json_path or out_dir / "eagle.json")
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(result, indent=1))
-  os.replace(tmp, path)
+  results.write_json(path, result, indent=1)
   print(f"[eagle] wrote {path}")
   return result
 

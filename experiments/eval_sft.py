@@ -24,12 +24,13 @@ model is initialised from its seed (the "before" figure of a run from scratch).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import time
 from typing import Callable, Sequence
 
 from absl import app, flags
+
+from experiments import results
 
 FLAGS = flags.FLAGS
 
@@ -176,15 +177,6 @@ def load(checkpoint: str | None, config_file: str | None):
   return config, init_variables(config, jax.random.PRNGKey(cfg.seed)), 0
 
 
-def write_json(path: str, obj: dict) -> None:
-  """Through a temporary file + rename: a reader never sees half a file."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, ensure_ascii=False)
-  os.replace(tmp, path)
-
-
 def main(argv):
   del argv
   from absl import logging as absl_logging
@@ -201,7 +193,7 @@ def main(argv):
          "seed": FLAGS.seed, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
          "wall_s": round(time.perf_counter() - t0, 1), **out}
   if FLAGS.json:
-    write_json(FLAGS.json, out)
+    results.write_json(FLAGS.json, out, indent=2, ensure_ascii=False)
   tasks = ", ".join(f"{t} {v['exact_match']:.0%}" for t, v in out["by_task"].items())
   print(f"held-out exact match {out['exact_match']:.1%} ({tasks}); replies parsed "
         f"{out['parse_rate']:.1%} of {out['replies']}")

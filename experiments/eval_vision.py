@@ -24,6 +24,7 @@ import time
 
 from absl import app, flags
 
+from experiments import results
 from k3jax.train.data import MEDIA
 
 FLAGS = flags.FLAGS
@@ -159,14 +160,6 @@ def evaluate_run(workdir: str, num_samples: int = 256, batch_size: int = 16) -> 
   }
 
 
-def write_json(path: str, obj: dict) -> None:
-  """Write through a temporary file + rename: a reader never sees half a file."""
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
-
-
 def main(argv):
   del argv
   from absl import logging as absl_logging
@@ -176,7 +169,8 @@ def main(argv):
   png = plot(FLAGS.workdir, os.path.join(FLAGS.workdir, "vision_loss.png"))
   if png:
     out["plot"] = png
-  write_json(FLAGS.json or os.path.join(FLAGS.workdir, "eval_vision.json"), out)
+  results.write_json(FLAGS.json or os.path.join(FLAGS.workdir, "eval_vision.json"), out,
+                     indent=2)
   cl, ca, sa = out["caption_loss"], out["colour_accuracy"], out["shape_accuracy"]
   print(f"step {out['step']}: caption loss {cl['true']:.3f} (true images) vs "
         f"{cl['shuffled']:.3f} (shuffled) nats/token; colour word {ca['true']:.1%} vs "

@@ -36,6 +36,8 @@ import tempfile
 
 from absl import app, flags
 
+from experiments import results
+
 ARMS = (("plain", None), ("qat", "mxfp4_mxfp8"))
 
 
@@ -159,17 +161,6 @@ def run(cfg, workdir: str, data: str = "stdlib", eval_batches: int = 4) -> dict:
   return result
 
 
-def write_json(obj, path: str) -> None:
-  """Write `obj` to `path` through a temporary file and a rename (never half-written)."""
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.chmod(tmp, 0o644)   # mkstemp's 0600 is for the temporary name only
-  os.replace(tmp, path)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -180,7 +171,7 @@ def main(argv):
   workdir = fv.workdir or tempfile.mkdtemp(prefix="qat_gap_")
   result = run(fv.config, workdir, fv.data, fv.eval_batches)
   result["workdir"] = workdir
-  write_json(result, fv.out or os.path.join(workdir, "qat_gap.json"))
+  results.write_json(fv.out or os.path.join(workdir, "qat_gap.json"), result, indent=2)
   for name, r in result["arms"].items():
     print(f"{name:>5}: train {r['train_loss']:.4f}  served {r['served_loss']:.4f}  "
           f"gap {r['gap']:+.4f} nats/token  (float {r['float_loss']:.4f}, MXFP4 rel err "

@@ -14,9 +14,10 @@ by two copies of it on this CPU, which has no bf16 matmul and keeps f32 copies o
 from __future__ import annotations
 
 import json
-import os
 
 from absl import app, flags
+
+from experiments import results
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "also write the JSON here")
@@ -61,12 +62,9 @@ def main(argv):
     print(f"{r['expert_format']:>5} experts, {r['num_layers']} layers {r['stack_layout']}: "
           f"temporaries +{r['temp_delta'] / 2**20:.1f} MiB from 16 to 64 experts; every "
           f"layer's expert bytes +{r['expert_bytes_all_layers_delta'] / 2**20:.1f} MiB")
-  blob = json.dumps({"rows": out})
   if FLAGS.out:
-    with open(FLAGS.out + ".tmp", "w") as f:
-      f.write(blob + "\n")
-    os.replace(FLAGS.out + ".tmp", FLAGS.out)
-  print(blob)
+    results.write_json(FLAGS.out, {"rows": out})
+  print(json.dumps({"rows": out}))
 
 
 if __name__ == "__main__":

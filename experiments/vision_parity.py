@@ -19,12 +19,13 @@ max|ours − theirs| / max|theirs| of the merged embeddings (`encode(stage="merg
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import tempfile
 import time
 
 import numpy as np
+
+from experiments import results
 
 # (t, h, w) of the batch: two images of different sizes and a 4-frame clip.
 GRIDS = ((1, 16, 20), (1, 24, 12), (4, 10, 14))
@@ -157,14 +158,6 @@ def run(layers=27, hidden=1152, heads=16, intermediate=4304, text_hidden=7168, s
   }
 
 
-def write_json(path: str, obj: dict) -> None:
-  """Write through a temporary file in the same directory + rename (never a half file)."""
-  p = pathlib.Path(path)
-  tmp = p.parent / f".{p.name}.tmp-{os.getpid()}"
-  tmp.write_text(json.dumps(obj, indent=2) + "\n")
-  os.replace(tmp, p)
-
-
 def main(argv=None):
   import argparse
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -182,7 +175,7 @@ def main(argv=None):
             query_block=a.query_block)
   print(json.dumps(out, indent=2))
   if a.json:
-    write_json(a.json, out)
+    results.write_json(a.json, out, indent=2)
 
 
 if __name__ == "__main__":
