@@ -29,7 +29,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax import export
+from jax import export as export_lib
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -66,17 +66,31 @@ def capturing():
     tl.lower_jaxpr_to_triton_module = orig
 
 
-def _export(fn, args):
-  flag = "jax_pallas_use_mosaic_gpu"    # jax 0.10: pick the Triton lowering (restored after)
-  prev = getattr(jax.config, flag, None)
+def export(fn, specs, platform: str = "cuda"):
+  """`jax.export` of jit(fn) at `specs` for one platform, from this (CPU) host. cuda: the
+  Triton custom call has no serialisation-compatibility guarantee, so that one safety check is
+  disabled; and jax 0.10 picks Pallas's GPU lowering by the flag `jax_pallas_use_mosaic_gpu`
+  (default Mosaic GPU, which rejects a plain dot) for kernels that pass no Triton
+  CompilerParams off a GPU, so it is set to False here and restored (jax >= 0.11 dropped the
+  flag: Triton is the pallas_call default on GPU there)."""
+  kw, flag = {}, "jax_pallas_use_mosaic_gpu"
+  prev = getattr(jax.config, flag, None) if platform == "cuda" else None
+  if platform == "cuda":
+    kw["disabled_checks"] = [export_lib.DisabledSafetyCheck.custom_call(TRITON_CALL)]
   if prev is not None:
     jax.config.update(flag, False)
   try:
-    export.export(jax.jit(fn), platforms=["cuda"],
-                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    return export_lib.export(jax.jit(fn), platforms=[platform], **kw)(*specs)
   finally:
     if prev is not None:
       jax.config.update(flag, prev)
+
+
+def export_text(fn, specs, platform: str) -> str:
+  """The StableHLO text of `export(fn, specs, platform)` (the lowering tests read it)."""
+  exported = export(fn, specs, platform)
+  assert exported.platforms == (platform,)
+  return exported.mlir_module()
 
 
 def kda_case(dtype, dk, dv, chunk, block_v, packed=False, bounded=True, t=256):
@@ -95,7 +109,7 @@ def kda_case(dtype, dk, dv, chunk, block_v, packed=False, bounded=True, t=256):
                                block_v=block_v, segment_ids=seg,
                                lower_bound=-5.0 if bounded else None)
     return jnp.sum(o.astype(f32)) + jnp.sum(st)
-  _export(lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a), args)
+  export(lambda *a: jax.grad(loss, argnums=tuple(range(5)))(*a), args)
 
 
 def gmm_case(dtype, m, k, n, g, tiling):
@@ -108,7 +122,7 @@ def gmm_case(dtype, m, k, n, g, tiling):
     return jax.grad(lambda a, b: jnp.sum(moe_gmm.gmm(a, b, sizes, interpret=False,
                                                      tiling=tiling).astype(jnp.float32) ** 2),
                     argnums=(0, 1))(lhs, rhs)
-  _export(f, specs)
+  export(f, specs)
 
 
 def gmm_mxfp4_case(dtype, m, k, n, g, tiling):
@@ -118,7 +132,7 @@ def gmm_mxfp4_case(dtype, m, k, n, g, tiling):
   from pallas_kernels import moe_gmm
   specs = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
            jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8), jax.ShapeDtypeStruct((g,), jnp.int32))
-  _export(lambda a, p, s, sizes: moe_gmm.gmm(a, MXFP4Weight(p, s), sizes, interpret=False,
+  export(lambda a, p, s, sizes: moe_gmm.gmm(a, MXFP4Weight(p, s), sizes, interpret=False,
                                              tiling=tiling), specs)
 
 

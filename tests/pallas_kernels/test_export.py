@@ -5,28 +5,18 @@ kernel, so an op a backend cannot lower fails here, not on the accelerator.
 CUDA: the kernels pass `pallas.triton.CompilerParams`, which selects the Triton lowering
 (jax's default Mosaic GPU lowering rejects a plain dot on jax 0.10); the Triton custom call
 (`__gpu$xla.gpu.triton`) has no serialisation-compatibility guarantee, so that one safety check
-is disabled for the export (running in-process on a GPU needs no such step).
+is disabled for the export (running in-process on a GPU needs no such step):
+`experiments.pallas_smem.capture.export`, which the sm_90 report's capture uses too.
 """
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
+from experiments.pallas_smem import capture
 from pallas_kernels.kda_chunk import kda_chunked_pallas
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
-_CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
-
-
-def export_for(fn, args, platform):
-  """Exports jit(fn) for one platform; returns the StableHLO text of the exported module."""
-  kw = {}
-  if platform == "cuda":
-    kw["disabled_checks"] = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  exported = export.export(jax.jit(fn), platforms=[platform], **kw)(*args)
-  assert exported.platforms == (platform,)
-  return exported.mlir_module()
+_CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": capture.TRITON_CALL}
 
 
 def _kda_args(dtype, b=1, t=100, h=2, dk=64, dv=128):   # GPU: two V blocks of 64
@@ -62,10 +52,10 @@ def test_kda_chunk_lowers(platform, dtype, packed, bounded):
   unbounded gate (Kimi Linear) takes the pairwise diagonal tiles."""
   fwd, fwd_bwd = _kda("gpu" if platform == "cuda" else "tpu", packed, bounded)
   args = _kda_args(dtype)
-  text = export_for(fwd, args, platform)
+  text = capture.export_text(fwd, args, platform)
   assert text.count(_CUSTOM_CALL[platform]) == 2
   assert "kda_intra_fwd" in text and "kda_state_fwd" in text
-  text = export_for(fwd_bwd, args, platform)
+  text = capture.export_text(fwd_bwd, args, platform)
   assert text.count(_CUSTOM_CALL[platform]) == 6
   for name in ("kda_intra_fwd", "kda_state_fwd", "kda_state_bwd", "kda_wy_bwd", "kda_a_bwd"):
     assert name in text

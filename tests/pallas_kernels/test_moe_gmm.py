@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.pallas_smem import capture
 from k3jax.ops import moe
 from k3jax.quant import mx
 from pallas_kernels import moe_gmm
@@ -190,37 +191,12 @@ SPECS = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
          jax.ShapeDtypeStruct((4,), jnp.int32))
 
 
-CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
-
-
-def _export_text(fn, specs, platform):
-  """StableHLO text of jit(fn) exported for one platform.
-
-  cuda: the Triton lowering; its custom call has no stability guarantee, so export needs that
-  one safety check disabled. On a GPU backend the kernels pass Triton CompilerParams
-  themselves. Exported from a CPU host they pass none: jax 0.10 then picks the lowering by the
-  config flag `jax_pallas_use_mosaic_gpu` (default Mosaic GPU, which rejects a plain dot), so
-  it is set to False here and restored; jax >= 0.11 dropped that flag (Triton is the
-  pallas_call default on GPU there)."""
-  kw = {}
-  has_flag = platform == "cuda" and hasattr(jax.config, "jax_pallas_use_mosaic_gpu")
-  if platform == "cuda":
-    kw["disabled_checks"] = [jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])]
-  if has_flag:
-    prev = jax.config.jax_pallas_use_mosaic_gpu
-    jax.config.update("jax_pallas_use_mosaic_gpu", False)
-  try:
-    exp = jax.export.export(jax.jit(fn), platforms=[platform], **kw)(*specs)
-  finally:
-    if has_flag:
-      jax.config.update("jax_pallas_use_mosaic_gpu", prev)
-  assert exp.platforms == (platform,)
-  return exp.mlir_module()
+CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": capture.TRITON_CALL}
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_lowers_for_tpu_mosaic_and_cuda_triton(platform):
-  text = _export_text(_fwd_and_grad, SPECS, platform)
+  text = capture.export_text(_fwd_and_grad, SPECS, platform)
   assert text.count(CUSTOM_CALL[platform]) >= 3      # gmm fwd, gmm for d lhs, tgmm for d rhs
 
 
@@ -242,7 +218,7 @@ MXFP4_SPECS = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
 def test_mxfp4_gmm_lowers(platform):
   """The in-kernel MXFP4 gmm (uint8 loads, nibble and scale decoding by integer ops and
   selects) lowers for Mosaic TPU and Triton; its backward is the dense gmm (two kernels)."""
-  text = _export_text(_mxfp4_fwd_and_grad, MXFP4_SPECS, platform)
+  text = capture.export_text(_mxfp4_fwd_and_grad, MXFP4_SPECS, platform)
   # forward twice (value, and inside grad), d lhs once
   assert text.count(CUSTOM_CALL[platform]) == 3 and "_gmm_mxfp4_kernel" in text
 
