@@ -7,7 +7,7 @@ accelerator). The byte tokenizer's vocabulary keeps the embedded data usable off
 python -m experiments.train --config=configs/gpu_1b.py --workdir=/tmp/gpu_1b
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

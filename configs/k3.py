@@ -3,7 +3,7 @@ the numbers follow spec §8 — 1% warm-up cosine, Per-Head Muon, QK-Clip τ=100
 bins — and the report's context curriculum 8K → 64K (pre-training stages).
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

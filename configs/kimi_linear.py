@@ -2,7 +2,7 @@
 Accelerator-scale; on a CPU shrink it from the command line (e.g. --config.model.num_layers=4).
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

@@ -9,7 +9,7 @@ AdamW instead of Per-Head Muon: Muon's Newton–Schulz costs ~0.93 TFLOP per opt
 small fine-tuning batches; the fine-tuning starts a fresh optimizer anyway (train.init).
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

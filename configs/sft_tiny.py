@@ -1,6 +1,6 @@
 """`sft_tiny`: supervised fine-tuning of a `tiny` model (4 layers) on chat conversations —
-the embedded procedural tasks (k3jax/train/sft_tasks.py) unless data.sft_file names a JSONL
-file (schema: k3jax/train/sft.py). Minutes on a CPU (300 steps: 565 s wall at a load average
+the embedded procedural tasks (k3jax/data/sft_tasks.py) unless data.sft_file names a JSONL
+file (schema: k3jax/data/sft.py). Minutes on a CPU (300 steps: 565 s wall at a load average
 near 10 on 2 cores; docs/notes/sft.md).
 
 python -m experiments.sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny [--init=CKPT]
@@ -10,7 +10,7 @@ train.init: a checkpoint to start from (fresh optimizer), "" = random init; it m
 model (4 layers: add --config.model.num_layers=13 to start from a configs/tiny.py run).
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

@@ -10,7 +10,7 @@ memory), which puts MFU near 30% on a 2-core CPU instead of 8% at 1K tokens per 
 python -m experiments.train --config=configs/small.py --workdir=runs/small
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

@@ -3,7 +3,7 @@
 python -m experiments.train --config=configs/tiny.py --workdir=runs/tiny
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

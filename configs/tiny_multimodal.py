@@ -1,5 +1,5 @@
 """`tiny_multimodal`: `tiny` + a 2-layer MoonViT-V2 tower, trained from scratch with the language
-model on the procedurally generated shapes corpus (k3jax/train/shapes.py): images and clips of
+model on the procedurally generated shapes corpus (k3jax/data/captions.py): images and clips of
 coloured shapes with captions only the pixels predict (`make train-vision`, a CPU run of a few
 minutes, then experiments/eval_vision.py: caption loss with the true images vs shuffled ones).
 
@@ -10,7 +10,7 @@ data.source="shapes"; data.text_fraction of the rows are text windows of data.te
 pack_buckets; 0 = the largest), fixed per run so the step compiles once.
 """
 
-from k3jax.train.trainer import base_config
+from k3jax.train.run import base_config
 
 
 def get_config():

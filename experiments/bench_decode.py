@@ -1,4 +1,4 @@
-r"""Decode / prefill benchmark for k3jax.generate.
+r"""Decode / prefill benchmark for k3jax.serve.generate.
 
   python -m experiments.bench_decode              # full: contexts 1K/8K/64K, long 64K/256K/1M
   python -m experiments.bench_decode --quick      # smoke: contexts 1K/4K, long 4K/16K/64K
@@ -64,7 +64,7 @@ def _peak_rss_gb() -> float:
 
 def _variables(cfg):
   from k3jax.model import K3Model
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
   return G.unbox(jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)))
 
 
@@ -73,7 +73,7 @@ def kda_only(cfg, with_mlp: bool):
   plain residuals, with the MoE MLP when `with_mlp`. One set of weights serves every layer
   (timings do not depend on the weights). → (jitted run(caches, x [1,T,d], num_new [1]) →
   (y, caches), zero caches)."""
-  from k3jax.layers.cache import Feed
+  from k3jax.layers.feed import Feed
   from k3jax.layers.kda import KDA, KDACache
   from k3jax.layers.moe import StableLatentMoE
   n = sum(m == "kda" for m, _ in cfg.layer_types())
@@ -98,7 +98,7 @@ def kda_only(cfg, with_mlp: bool):
 
 def k3_shaped(steps: int) -> dict:
   """Decode compile and step seconds of `tiny` widths in K3's 93-layer layout (batch 1)."""
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
   from k3jax.config import preset
   cfg = preset("tiny", num_layers=93, attn_res_block_size=12, first_dense_layers=1)
   v = _variables(cfg)
@@ -119,7 +119,7 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
   (`expert_format="mxfp4"`, `mx.pack_expert_params` of the same weights) vs as float params:
   medians timed in turns (float, packed, float, packed …) so that a shared machine's drift
   hits both alike; the greedy next token of the two agree (checked)."""
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
   from k3jax.config import preset
   from k3jax.quant import mx
   cfg = preset("small")
@@ -168,7 +168,7 @@ def main(argv):
           f"{res['step_ms']:.2f} ms, compile {res['compile_s']:.1f} s")
     _emit(res)
     return
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
   from k3jax.config import preset
   quick = _QUICK.value
   contexts = [int(c) for c in (_CONTEXTS.value or ("1024,4096" if quick else

@@ -23,7 +23,7 @@ plan (arguments = the state shard + the batch shard, outputs, temporaries).
 Part "state": per-device bytes of params + optimizer state from the shardings alone
 (AbstractMesh; no compile).
 
-Part "inference": the model's cached forward (`k3jax.generate.forward`: one decode step of
+Part "inference": the model's cached forward (`k3jax.serve.generate.forward`: one decode step of
 --inf_tokens tokens per sequence over a cache of --inf_max_len, --inf_batch sequences) of k3
 with **packed MXFP4 experts** (`expert_format="mxfp4"`, kernels and compute in bf16), lowered
 from abstract values and compiled deviceless for a v5p slice like part "memory"; the cache is
@@ -33,9 +33,9 @@ reported ("smallest_fit"). Experts over `expert`, every other weight over fsdp+e
 
 Part "qlora": the training state of a k3 QLoRA fine-tuning recipe (`QLORA_RECIPE`: routed
 experts packed MXFP4 and frozen, every other base weight bf16 and frozen, fp32 LoRA adapters on
-`--lora_targets` at `--lora_rank` with AdamW's two fp32 moments, k3jax/train/lora.py) per chip,
+`--lora_targets` at `--lora_rank` with AdamW's two fp32 moments, k3jax/posttrain/lora.py) per chip,
 for each slice of `INFERENCE_RECIPES` (or --devices), from the shardings of the LoRA step's
-abstract state on an AbstractMesh (`k3jax.train.lora.build_lora_step`: no compile, no
+abstract state on an AbstractMesh (`k3jax.posttrain.lora.build_adapter_step`: no compile, no
 devices): base weights, adapters, optimizer state. It is a lower bound of the compiled peak —
 activations, gradients and temporaries are not in it; with libtpu installed the part "memory"
 route (deviceless TPU compile) gives those, this part does not compile. "smallest_fit" is the
@@ -165,8 +165,9 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   import jax
 
   from k3jax import sharding
-  from k3jax.train import data as data_lib
-  from k3jax.train import sharded, trainer
+  from k3jax.data import corpus as data_lib
+  from k3jax.train import sharded
+  from k3jax.train.run import OptimConfig, RunConfig, TrainConfig
 
   layout = dict(layout or LAYOUTS[num_devices])
   if target == "tpu":
@@ -181,16 +182,14 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   config = _model_config(preset_name, num_layers, param_dtype)
   batch_size = per_device_batch * sharding.axis_size(mesh, sharding.BATCH_AXES)
 
-  cfg = trainer.base_config("tiny")
-  cfg.train.batch_size = batch_size
-  cfg.train.seq_len = seq_len
-  cfg.optim.muon = muon            # False: AdamW for the matrices too (the trainer's baseline)
-  cfg.optim.mu_dtype = mu_dtype
-  cfg.optim.offload_momentum = offload_momentum
+  # muon False: AdamW for the matrices too (the trainer's baseline).
+  run = RunConfig(model=config, train=TrainConfig(batch_size=batch_size, seq_len=seq_len),
+                  optim=OptimConfig(muon=muon, mu_dtype=mu_dtype,
+                                    offload_momentum=offload_momentum))
   t0 = time.perf_counter()
   # The trainer's own step on this mesh (shapes checked against it), lowered from abstract
   # values: no parameter is ever allocated.
-  step = sharded.build_step(cfg, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  step = sharded.build_step(run, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
   state, state_sh = step.train.abstract_state, step.train.state_shardings
   lowered = step.train.lower(state, data_lib.abstract_batch(batch_size, seq_len))
   t1 = time.perf_counter()
@@ -235,7 +234,8 @@ def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
   import jax
   import jax.numpy as jnp
 
-  from k3jax import generate, sharding
+  from k3jax import sharding
+  from k3jax.serve import generate
   from k3jax.config import preset
   from k3jax.model import K3Model
 
@@ -308,16 +308,16 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
   import jax
 
   from k3jax import sharding
-  from k3jax.train import sharded, trainer
+  from k3jax.train import sharded
+  from k3jax.train.run import OptimConfig, RunConfig, TrainConfig
 
   layout = LAYOUTS[num_devices]
   mesh = sharding.abstract_mesh(layout, num_devices)
   config = _model_config("k3", None, param_dtype)
-  cfg = trainer.base_config("tiny")
-  cfg.train.batch_size = sharding.axis_size(mesh, sharding.BATCH_AXES)   # one sequence each
-  cfg.optim.mu_dtype = mu_dtype
-  cfg.optim.offload_momentum = offload_momentum
-  step = sharded.build_step(cfg, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  run = RunConfig(model=config, train=TrainConfig(   # one sequence each
+      batch_size=sharding.axis_size(mesh, sharding.BATCH_AXES)),
+                  optim=OptimConfig(mu_dtype=mu_dtype, offload_momentum=offload_momentum))
+  step = sharded.build_step(run, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
   state, sh = step.train.abstract_state, step.train.state_shardings
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / 2.0 ** 30
   return dict(part="state", devices=num_devices, layout=layout, param_axes=list(PARAM_AXES),
@@ -340,9 +340,9 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
 
   from k3jax import sharding
   from k3jax.config import preset
-  from k3jax.train import data as data_lib
-  from k3jax.train import lora as lora_lib
-  from k3jax.train import trainer
+  from k3jax.data import corpus as data_lib
+  from k3jax.posttrain import lora as lora_lib
+  from k3jax.train.run import RunConfig, TrainConfig
 
   layout = INFERENCE_RECIPES[num_devices]["layout"]
   topology = INFERENCE_RECIPES[num_devices]["topology"]
@@ -352,18 +352,17 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
                   moe_capacity_factor=1.25, kernel_backend="xla", expert_format="mxfp4",
                   lora_rank=lora_rank, lora_targets=tuple(lora_targets),
                   **({"num_layers": num_layers} if num_layers else {}))
-  cfg = trainer.base_config("tiny")
-  cfg.train.batch_size = sharding.axis_size(mesh, sharding.BATCH_AXES)   # one sequence each
-  cfg.train.seq_len = seq_len
-  step = lora_lib.build_lora_step(cfg, config, mesh,
-                                  rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  run = RunConfig(model=config, train=TrainConfig(   # one sequence each
+      batch_size=sharding.axis_size(mesh, sharding.BATCH_AXES), seq_len=seq_len))
+  step = lora_lib.build_adapter_step(run, config, mesh,
+                                     rules=sharding.axis_rules(param_axes=PARAM_AXES))
   state, sh = step.train.abstract_state, step.train.state_shardings
   gib = 2.0 ** 30
   total = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t)) / gib  # noqa
   per_chip = _shard_gib(state, sh)
   compiled = {"compiled": False}
   if compile_step:
-    batch = data_lib.abstract_batch(cfg.train.batch_size, seq_len)
+    batch = data_lib.abstract_batch(run.train.batch_size, seq_len)
     t0 = time.perf_counter()
     lowered = step.train.lower(state, batch)
     t1 = time.perf_counter()
@@ -391,13 +390,12 @@ def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
               param_dtype=config.param_dtype, compiler_layouts=list(step.train.compiler_layouts),
               lora_rank=lora_rank,
               lora_targets=list(lora_targets), seq_len=seq_len,
-              global_batch=cfg.train.batch_size,
-              adapter_params=int(sum(x.size for x in jax.tree.leaves(state.lora))),
-              base_gib_total=total((state.params, state.balance)),
-              adapter_gib_total=total(state.lora), opt_gib_total=total(state.opt_state),
-              base_gib_per_device=_shard_gib((state.params, state.balance),
-                                             (sh.params, sh.balance)),
-              adapter_gib_per_device=_shard_gib(state.lora, sh.lora),
+              global_batch=run.train.batch_size,
+              adapter_params=int(sum(x.size for x in jax.tree.leaves(state.params))),
+              base_gib_total=total(state.frozen),
+              adapter_gib_total=total(state.params), opt_gib_total=total(state.opt_state),
+              base_gib_per_device=_shard_gib(state.frozen, sh.frozen),
+              adapter_gib_per_device=_shard_gib(state.params, sh.params),
               opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
               state_gib_per_device=per_chip, fits=fits, **compiled)
 
@@ -414,20 +412,17 @@ def ep_part(layout_key: str, steps: int, batch_size: int, seq_len: int,
   import numpy as np
 
   from k3jax import sharding
-  from k3jax.train import data as data_lib
-  from k3jax.train import sharded, trainer
-  from k3jax.train.step import create_state
+  from k3jax.data import corpus as data_lib
+  from k3jax.config import preset
+  from k3jax.train import sharded
+  from k3jax.train.run import RunConfig, TrainConfig
+  from k3jax.train.state import init_state, init_variables
 
-  import jax as _jax
-  name, layout = ep_layouts(_jax.device_count())[layout_key]
-  cfg = trainer.base_config("small")
-  cfg.train.batch_size = batch_size
-  cfg.train.seq_len = seq_len
-  if num_layers:
-    cfg.model.num_layers = num_layers
-  config = trainer.model_config(cfg)
-  tx, _, step_fn, _ = sharded.build_step(cfg, config, sharding.make_mesh(layout))
-  state = create_state(config, jax.random.PRNGKey(0), tx)
+  name, layout = ep_layouts(jax.device_count())[layout_key]
+  config = preset("small", **({"num_layers": num_layers} if num_layers else {}))
+  run = RunConfig(model=config, train=TrainConfig(batch_size=batch_size, seq_len=seq_len))
+  tx, _, step_fn, _ = sharded.build_step(run, config, sharding.make_mesh(layout))
+  state = init_state(init_variables(config, jax.random.PRNGKey(0)), sharded.PRETRAIN, tx)
   rng = np.random.default_rng(0)
   batch = data_lib.pack_windows(rng.integers(0, 256, size=(batch_size, seq_len + 2)))
   t0 = time.perf_counter()

@@ -30,8 +30,8 @@ from experiments import results
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Training machinery, wherever a checkout keeps it (paths that do not exist count zero).
 TRAINING = ("k3jax/train", "k3jax/rl", "k3jax/posttrain", "experiments/eagle.py")
-UPWARD = ("k3jax.convert", "k3jax.train", "k3jax.posttrain", "k3jax.serving", "k3jax.serve",
-          "k3jax.rl")
+UPWARD = ("k3jax.convert", "k3jax.train", "k3jax.posttrain", "k3jax.serve", "k3jax.serve",
+          "k3jax.posttrain.rl")
 
 
 def _py_files(rel: str) -> list[pathlib.Path]:

@@ -4,8 +4,10 @@
 
 The target (--checkpoint, any k3jax checkpoint with an MTP layer and Block AttnRes) stays
 frozen. The draft (the MTP layer, started from the checkpoint's, and a fresh `draft_fuse` over
-the AttnRes blocks --blocks) trains with AdamW on `k3jax.serving.eagle.chain_loss` (unrolled
---chain_steps steps, LK loss) over windows of the embedded corpus. Before and after, greedy
+the AttnRes blocks --blocks) trains with AdamW on `k3jax.posttrain.eagle.chain_loss` (unrolled
+--chain_steps steps, LK loss) over windows of the embedded corpus, through the trainer
+(`k3jax.posttrain.eagle.recipe`: OUT/metrics.jsonl logs the loss and each chain step's
+acceptance). Before and after, greedy
 decoding of held-out prompts is timed three ways on the same prompts: plain `generate`,
 speculative with the untuned MTP draft, speculative with the EAGLE-3 draft (both chaining
 --draft_len tokens per round); speculative outputs must equal plain greedy token for token.
@@ -62,9 +64,9 @@ def decode_figures(config, variables, prompts, *, max_new: int, draft_len: int,
   """Greedy speculative decoding of `prompts`, timed after a warm-up (compiles excluded);
   `plain` (tokens, seconds) of `generate` is measured when None. Returns the figures."""
   import jax
-  from k3jax import generate as G
-  from k3jax.sampling import SamplingParams
-  from k3jax.serving.speculative import speculative_generate
+  from k3jax.serve import generate as G
+  from k3jax.serve.sampling import SamplingParams
+  from k3jax.serve.speculative import speculative_generate
   greedy = SamplingParams(temperature=0.0)
   n_tok = len(prompts) * max_new
 
@@ -96,30 +98,26 @@ def run(checkpoint: str, out: str, *, json_path: str | None = None, blocks: str 
         prompt_len: int = 32, max_new_tokens: int = 64, draft_len: int = 3,
         log_every: int = 10, command: str = "") -> dict:
   """The whole experiment (see the module docstring); returns the figures written to JSON."""
-  import jax
-  import jax.numpy as jnp
   import numpy as np
-  import optax
-  from k3jax import generate as G
-  from k3jax.model import K3Model
-  from k3jax.serving import eagle
-  from k3jax.train import data
-  from k3jax.train.checkpoint import load_pretrained, save_pretrained
+  from k3jax.convert.checkpoint import load_pretrained
+  from k3jax.data import corpus
+  from k3jax.posttrain import eagle
+  from k3jax.train.run import DataConfig, OptimConfig, RunConfig, TrainConfig
+  from k3jax.train.trainer import train
 
   out_dir = pathlib.Path(out)
   out_dir.mkdir(parents=True, exist_ok=True)
   config, variables = load_pretrained(checkpoint)
-  variables = G.unbox(variables)
   if not config.num_mtp_layers:
     raise ValueError(f"--checkpoint {checkpoint}: the target has no MTP layer "
                      "(num_mtp_layers=0); the EAGLE-3 draft re-tunes it")
   target = config.replace(eagle_blocks=None).for_inference()
   draft_cfg = eagle.eagle_config(config, parse_blocks(blocks))
 
-  corpus = data.load_corpus("stdlib", vocab_size=config.vocab_size)
+  text = corpus.load_corpus("stdlib", vocab_size=config.vocab_size)
   rng = np.random.default_rng(seed)
-  starts = rng.integers(0, len(corpus.eval) - prompt_len, eval_prompts)
-  prompts = [list(map(int, corpus.eval[s:s + prompt_len])) for s in starts]
+  starts = rng.integers(0, len(text.eval) - prompt_len, eval_prompts)
+  prompts = [list(map(int, text.eval[s:s + prompt_len])) for s in starts]
 
   print(f"[eagle] target {checkpoint}: {config.num_layers} layers, d={config.d_model}; "
         f"blocks {draft_cfg.eagle_block_indices()} of {config.num_attn_res_blocks}",
@@ -130,39 +128,24 @@ def run(checkpoint: str, out: str, *, json_path: str | None = None, blocks: str 
         f"{before['tokens_per_round']:.2f} tokens/round, speed-up {before['speedup']:.2f}×",
         flush=True)
 
-  # The draft: the checkpoint's MTP layer and a fresh draft_fuse.
-  init = G.unbox(jax.jit(K3Model(draft_cfg).init)(
-      jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32)))
-  params = dict(variables["params"], draft_fuse=init["params"]["draft_fuse"])
-  dvars = {**variables, "params": params}
-  draft, _ = eagle.split_params(params)
-  sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20),
-                                             max(2, steps))
-  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
-  opt_state = opt.init(draft)
-
-  @jax.jit
-  def step(draft, opt_state, tokens):
-    (loss, met), g = jax.value_and_grad(
-        lambda d: eagle.chain_loss(draft_cfg, d, dvars, tokens, steps=chain_steps,
-                                   anchor_stride=anchor_stride), has_aux=True)(draft)
-    upd, opt_state = opt.update(g, opt_state, draft)
-    return optax.apply_updates(draft, upd), opt_state, loss, met
-
-  curve = []
+  # The draft trains through the trainer: windows of the embedded corpus, the target frozen.
+  run_cfg = RunConfig(
+      model=draft_cfg, seed=seed,
+      train=TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len,
+                        log_every=log_every, checkpoint_every=0, eval_every=0, mtp_weight=0.0,
+                        tensorboard=False, async_checkpoint=False),
+      optim=OptimConfig(lr=lr, muon=False, qk_clip_tau=None),
+      data=DataConfig(source="stdlib"))
   t0 = time.perf_counter()
-  for i in range(steps):
-    batch = data.sample_batch(corpus.train, seed, i, batch_size, seq_len)
-    draft, opt_state, loss, met = step(draft, opt_state, jnp.asarray(batch["inputs"]))
-    if i % log_every == 0 or i == steps - 1:
-      acc = np.asarray(met["accept"])
-      curve.append({"step": i, "loss": float(loss), "accept_per_step": acc.tolist()})
-      print(f"[eagle] step {i:5d}  LK {float(loss):.4f}  acceptance step0 {acc[0]:.3f} "
-            f"step{len(acc) - 1} {acc[-1]:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+  records = train(run_cfg, str(out_dir), recipe=eagle.recipe(
+      checkpoint, chain_steps=chain_steps, anchor_stride=anchor_stride))
   train_s = time.perf_counter() - t0
+  curve = [{"step": r["step"], "loss": r["loss"],
+            "accept_per_step": [r[f"accept_{k}"] for k in range(chain_steps)]}
+           for r in records]
 
-  tuned = {**variables, "params": {**params, **jax.device_get(draft)}}
-  save_pretrained(out_dir / "draft", draft_cfg, tuned)
+  draft_dir = out_dir / "draft"       # the recipe saves the tuned model there
+  _, tuned = load_pretrained(draft_dir)
   after = decode_figures(draft_cfg, tuned, prompts, max_new=max_new_tokens,
                          draft_len=draft_len, plain=before["plain"])
   print(f"[eagle] EAGLE-3 draft: acceptance {after['acceptance_rate']:.3f}, "

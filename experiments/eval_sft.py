@@ -1,4 +1,4 @@
-r"""Held-out accuracy of a chat model on the embedded SFT tasks (k3jax/train/sft_tasks.py).
+r"""Held-out accuracy of a chat model on the embedded SFT tasks (k3jax/data/sft_tasks.py).
 
   python -m experiments.eval_sft --checkpoint=runs/sft --json=runs/sft/eval_sft.json
   python -m experiments.eval_sft --config=configs/sft_small.py --json=before.json   # random init
@@ -7,7 +7,7 @@ Scores `--num_samples` held-out samples (split HELDOUT of --seed: problems never
 training set, whatever the seed). Each sample's prompt is its conversation up to the first
 assistant message, opened in the sample's mode (`chat.render_prompt(..., thinking)`) after
 [BOS], with the markers as single ids — the layout of `generate --chat`. Replies are generated
-greedily in batches (k3jax.generate's prefill + decode steps, prompts right-padded to one
+greedily in batches (k3jax.serve.generate's prefill + decode steps, prompts right-padded to one
 width so each shape compiles once) until `[end_of_msg]` or --max_new_tokens. A reply that
 calls tools gets the tools' messages (the calculator, `sft_tasks.run_tool`) and the model
 replies again, up to --max_rounds replies. Reported:
@@ -59,7 +59,7 @@ def generate_replies(config, variables, prompts: Sequence[Sequence[int]], *,
   import jax.numpy as jnp
   import numpy as np
 
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
 
   if not prompts:
     return []
@@ -96,15 +96,16 @@ def evaluate(config, variables, samples, *, max_new_tokens: int = 112, batch_siz
              max_rounds: int = 3, replies_fn: Callable | None = None) -> dict:
   """The figures of the module doc for `samples` (sft_tasks.Sample). `replies_fn(prompts)`
   → [(ids, stopped)] replaces the model (tests)."""
-  from k3jax import chat
-  from k3jax.train import data as data_lib
-  from k3jax.train import sft, sft_tasks
+  from k3jax.data import chat
+  from k3jax.data import tokenizers
+  from k3jax.data import sft
+  from k3jax.data import sft_tasks
 
-  tok = data_lib.ByteTokenizer(config.vocab_size)
+  tok = tokenizers.ByteTokenizer(config.vocab_size)
   if replies_fn is None:
     def replies_fn(prompts):
       return generate_replies(config, variables, prompts, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, stop_id=data_lib.CHAT_END)
+                              batch_size=batch_size, stop_id=tokenizers.CHAT_END)
 
   convs = [s.prompt() for s in samples]
   final: list[chat.Message | None] = [None] * len(samples)
@@ -114,7 +115,7 @@ def evaluate(config, variables, samples, *, max_new_tokens: int = 112, batch_siz
   for round_ in range(max_rounds):
     if not pending:
       break
-    prompts = [[data_lib.BOS, *sft.encode_chat(chat.render_prompt(convs[i],
+    prompts = [[tokenizers.BOS, *sft.encode_chat(chat.render_prompt(convs[i],
                                                                   samples[i].thinking)).tolist()]
                for i in pending]
     outs = replies_fn(prompts)
@@ -165,23 +166,23 @@ def load(checkpoint: str | None, config_file: str | None):
 
   import jax
 
-  from k3jax.train.step import init_variables
-  from k3jax.train.trainer import model_config
+  from k3jax.train.run import run_config
+  from k3jax.train.state import init_variables
   spec = importlib.util.spec_from_file_location("run_config", config_file)
   if spec is None or not os.path.isfile(config_file):
     raise ValueError(f"--config: cannot read {config_file!r}")
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  cfg = mod.get_config()
-  config = model_config(cfg)
-  return config, init_variables(config, jax.random.PRNGKey(cfg.seed)), 0
+  run = run_config(mod.get_config())
+  variables = init_variables(run.model, jax.random.PRNGKey(run.seed))
+  return run.model, {k: variables[k] for k in ("params", "balance")}, 0
 
 
 def main(argv):
   del argv
   from absl import logging as absl_logging
 
-  from k3jax.train import sft_tasks
+  from k3jax.data import sft_tasks
   if not FLAGS["verbosity"].present:     # orbax's INFO lines would bury the result
     absl_logging.set_verbosity(absl_logging.WARNING)
   t0 = time.perf_counter()

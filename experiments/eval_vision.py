@@ -3,7 +3,7 @@ r"""Does a multimodal run see? Caption loss and word accuracy with the true imag
   python -m experiments.eval_vision --workdir=runs/vision --json=runs/vision/eval_vision.json
 
 Loads the newest checkpoint of a run trained on the shapes corpus (configs/tiny_multimodal.py)
-and scores `--num_samples` held-out samples (k3jax/train/shapes.py, split EVAL of the run's
+and scores `--num_samples` held-out samples (k3jax/data/captions.py, split EVAL of the run's
 seed), one per row, twice: with their own images ("true") and with the images of the next
 sample ("shuffled": every caption sees another caption's image or clip, and as many
 placeholders as that media gives). Reports, for both:
@@ -25,7 +25,7 @@ import time
 from absl import app, flags
 
 from experiments import results
-from k3jax.train.data import MEDIA
+from k3jax.data.tokenizers import MEDIA
 
 FLAGS = flags.FLAGS
 
@@ -57,7 +57,7 @@ def score(config, variables, samples, seq_len: int, length: int, batch_size: int
   import numpy as np
 
   from k3jax.model import K3Model
-  from k3jax.train import shapes
+  from k3jax.data import captions
 
   model = K3Model(config)
 
@@ -70,14 +70,14 @@ def score(config, variables, samples, seq_len: int, length: int, batch_size: int
     return lse - tgt, jnp.argmax(logits, -1)
 
   n = len(samples)
-  items = [shapes.encode(config.vision, samples[i], samples[(i + 1) % n] if shuffled else None)
+  items = [captions.encode(config.vision, samples[i], samples[(i + 1) % n] if shuffled else None)
            for i in range(n)]
   ce_sum = tokens = 0.0
   colour_ok, shape_ok, by_kind = [], [], {}
   for s0 in range(0, n, batch_size):
     part = items[s0:s0 + batch_size]
     rows = [[e] for e in part] + [[part[0]]] * (batch_size - len(part))
-    batch = shapes.pack_rows(config.vision, rows, seq_len, length)
+    batch = captions.pack_rows(config.vision, rows, seq_len, length)
     ce, pred = jax.device_get(fwd(variables, batch))
     for r, e in enumerate(part):
       s = samples[s0 + r]
@@ -129,7 +129,7 @@ def plot(workdir: str, out: str) -> str | None:
 def evaluate_run(workdir: str, num_samples: int = 256, batch_size: int = 16) -> dict:
   """The figures of the module doc for the newest checkpoint in `workdir`."""
   import k3jax
-  from k3jax.train import shapes
+  from k3jax.data import captions
 
   with open(os.path.join(workdir, "config.json")) as f:
     run = json.load(f)
@@ -142,7 +142,7 @@ def evaluate_run(workdir: str, num_samples: int = 256, batch_size: int = 16) -> 
   variables = {k: variables[k] for k in ("params", "balance") if k in variables}
   seq_len = run["train"]["seq_len"]
   length = run["data"].get("media_length") or config.vision.pack_buckets[-1]
-  samples = shapes.eval_samples(run["seed"], num_samples)
+  samples = captions.eval_samples(run["seed"], num_samples)
   true = score(config, variables, samples, seq_len, length, batch_size)
   shuf = score(config, variables, samples, seq_len, length, batch_size, shuffled=True)
   ckpt_dir = os.path.join(workdir, "checkpoints")
@@ -152,9 +152,9 @@ def evaluate_run(workdir: str, num_samples: int = 256, batch_size: int = 16) -> 
       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
       "caption_loss": {"true": true["caption_loss"], "shuffled": shuf["caption_loss"]},
       "colour_accuracy": {"true": true["colour_accuracy"], "shuffled": shuf["colour_accuracy"],
-                          "chance": 1 / len(shapes.COLOURS)},
+                          "chance": 1 / len(captions.COLOURS)},
       "shape_accuracy": {"true": true["shape_accuracy"], "shuffled": shuf["shape_accuracy"],
-                         "chance": 1 / len(shapes.SHAPES)},
+                         "chance": 1 / len(captions.SHAPES)},
       "caption_loss_by_kind": {"true": true["caption_loss_by_kind"],
                                "shuffled": shuf["caption_loss_by_kind"]},
   }

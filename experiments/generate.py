@@ -26,10 +26,10 @@ Each --image (repeatable) and then the --video (comma-separated frames, ≤ the 
 max_frames) is preprocessed (`k3jax.vision.preprocess`: resized to the tower's bounds, padded
 to 28 px) into a (t, h, w) patch grid, and the prompt is
     [BOS] [MEDIA] × (h/2)(w/2) per image/video, in order, then the prompt's tokens
-— the layout of the shapes corpus (k3jax/train/shapes.py) — prefilled in one
+— the layout of the shapes corpus (k3jax/data/captions.py) — prefilled in one
 `K3Model.extend(..., media=)` call; decoding is text only. --prompt may be empty with media.
 
-Chat (the XTML format, k3jax/chat.py):
+Chat (the XTML format, k3jax/data/chat.py):
 
   python -m experiments.generate --checkpoint=runs/sft --chat --prompt="What is 2+3?" --show_think
 
@@ -96,7 +96,7 @@ def chat_output(generated: str, thinking: bool, show_think: bool):
   """(assistant Message or None, text to print) from the reply's generated text (markers
   written out; cut at [end_of_msg] or at max_new_tokens). A reply that does not parse gives
   (None, the raw text) — the caller warns."""
-  from k3jax import chat
+  from k3jax.data import chat
   try:
     msg = chat.parse_reply(generated, thinking, complete=False)
   except ValueError:
@@ -143,8 +143,8 @@ def media_prompt(cfg, tok, images, video, prompt_ids):
 
 
 def load_tokenizer(checkpoint: str | None, tokenizer: str | None, vocab_size: int):
-  from k3jax.tokenizer_tiktoken import TiktokenTokenizer
-  from k3jax.train.data import ByteTokenizer
+  from k3jax.data.tokenizers import TiktokenTokenizer
+  from k3jax.data.tokenizers import ByteTokenizer
   path = tokenizer or (checkpoint and os.path.join(checkpoint, "tiktoken.model"))
   if path and os.path.exists(path):
     return TiktokenTokenizer.from_dir(path)
@@ -169,9 +169,9 @@ def load_model(checkpoint: str | None, preset_name: str | None):
 
 def main(argv):
   del argv
-  from k3jax import generate as G
-  from k3jax.sampling import SamplingParams
-  from k3jax.serving.speculative import speculative_generate
+  from k3jax.serve import generate as G
+  from k3jax.serve.sampling import SamplingParams
+  from k3jax.serve.speculative import speculative_generate
   if (_PROMPT.value is None) == (_PROMPT_FILE.value is None):
     raise ValueError("exactly one of --prompt / --prompt_file is required")
   thinking = check_chat_flags(_CHAT.value, _CHAT_MODE.value, _SHOW_THINK.value)
@@ -182,7 +182,7 @@ def main(argv):
   cfg, variables = load_model(_CKPT.value, _PRESET.value)
   tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.vocab_size)
   if _CHAT.value:
-    from k3jax import chat
+    from k3jax.data import chat
     end_id = tok.chat_ids()[chat.END]      # a tokenizer without the markers fails here, by name
     ids = [int(i) for i in tok.encode(chat.user_prompt(prompt, thinking), specials=True)]
     if not (_IMAGE.value or _VIDEO.value) and getattr(tok, "bos_id", None) is not None:

@@ -20,7 +20,7 @@ docs/notes/qat.md). Each final checkpoint is then evaluated on the held-out batc
 
 All losses are mean cross-entropy in nats/token over the same `--eval_batches` held-out
 batches, dropless MoE (`ModelConfig.for_inference`). `--data` is the run config's
-`data.source` (default: the embedded pre-training corpus; any source k3jax.train.data reads;
+`data.source` (default: the embedded pre-training corpus; any source k3jax.data.corpus reads;
 `sft` with configs/sft_small.py: the embedded chat tasks, losses on assistant tokens of
 held-out conversations — the gap after SFT).
 A JSON object goes to --out (written to a temporary file and renamed) and to stdout.
@@ -47,7 +47,7 @@ def define_flags(fv=flags.FLAGS):
                                   lock_config=True, flag_values=fv)
   flags.DEFINE_string("workdir", None, "directory of the two runs (<workdir>/plain, "
                       "<workdir>/qat); default: a new temporary directory", flag_values=fv)
-  flags.DEFINE_string("data", "stdlib", "data.source of both runs (k3jax.train.data)",
+  flags.DEFINE_string("data", "stdlib", "data.source of both runs (k3jax.data.corpus)",
                       flag_values=fv)
   flags.DEFINE_integer("eval_batches", 4, "held-out batches of train.batch_size × seq_len",
                        flag_values=fv)
@@ -117,9 +117,11 @@ def served(config, variables):
 
 def run(cfg, workdir: str, data: str = "stdlib", eval_batches: int = 4) -> dict:
   """Train both arms in <workdir>/{plain,qat} (resuming what is there) and evaluate them."""
-  from k3jax.train import data as data_lib
+  from k3jax.convert.checkpoint import load_pretrained
+  from k3jax.data import corpus as data_lib
+  from k3jax.data import sft
   from k3jax.train import trainer
-  from k3jax.train.checkpoint import load_pretrained
+  from k3jax.train.run import run_config
   if eval_batches < 1:
     raise ValueError(f"eval_batches: expected a positive int, found {eval_batches}")
   base = cfg.copy_and_resolve_references()
@@ -129,10 +131,14 @@ def run(cfg, workdir: str, data: str = "stdlib", eval_batches: int = 4) -> dict:
   base.train.async_checkpoint = False
   base.train.tensorboard = False
   base.train.progress = False
-  config0 = trainer.model_config(base)
+  run0 = run_config(base)
+  config0 = run0.model
   if data == trainer.SFT:   # held-out conversations, loss on assistant tokens
-    from k3jax.train import sft
-    _, batches = sft.make_data(base, eval_batches)
+    d = run0.data
+    _, held = sft.conversations(d.sft_file, d.eval_percent, run0.seed, d.sft_num_train,
+                                d.sft_num_eval)
+    batches = sft.eval_batches(sft.pack([sft.tokenize(c) for c in held], run0.train.seq_len,
+                                        None), eval_batches, run0.train.batch_size)
   else:
     corpus = data_lib.load_corpus(data, base.data.eval_percent, config0.vocab_size)
     batches = data_lib.eval_batches(corpus, eval_batches, base.train.batch_size,
@@ -145,7 +151,7 @@ def run(cfg, workdir: str, data: str = "stdlib", eval_batches: int = 4) -> dict:
   for name, mode in ARMS:
     arm = base.copy_and_resolve_references()
     arm.model.expert_qat = mode
-    records = trainer.train(arm, os.path.join(workdir, name))
+    records = trainer.train(run_config(arm), os.path.join(workdir, name))
     config, variables = load_pretrained(os.path.join(workdir, name))
     config = config.for_inference()
     train_loss = eval_loss(config, variables, batches)

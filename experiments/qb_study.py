@@ -80,14 +80,15 @@ def synthetic(steps: int, m: int, n: int, k: int, gamma: float, seed: int = 0,
 
 def training(steps: int, preset_name: str, out_dir: str) -> dict:
   """{method: {"step": [...], "cv": [...], "idle": [...], "loss": [...]}} from short runs."""
-  from k3jax.train.trainer import base_config, train
+  from k3jax.train.run import base_config, run_config
+  from k3jax.train.trainer import train
   res = {}
   for method in METHODS:
     c = base_config(preset_name)
     c.train.steps, c.train.log_every = steps, 1
     c.train.checkpoint_every = c.train.eval_every = 0
     c.balance.method = method
-    recs = train(c, os.path.join(out_dir, f"train_{method}"), progress=False)
+    recs = train(run_config(c), os.path.join(out_dir, f"train_{method}"), progress=False)
     res[method] = {"step": [r["step"] for r in recs],
                    "cv": [r.get("load_cv_mean") for r in recs],
                    "idle": [r.get("idle_experts_total") for r in recs],

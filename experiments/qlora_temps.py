@@ -26,19 +26,21 @@ F, D = 256, 128    # expert width and (latent) input width
 
 
 def temps(num_layers: int, num_experts: int, expert_format: str) -> dict:
+  import flax.linen as nn
   from k3jax.config import preset
-  from k3jax.train import data as data_lib
-  from k3jax.train import lora as L
-  from k3jax.train import trainer
+  from k3jax.data import corpus as data_lib
+  from k3jax.model import abstract_variables
+  from k3jax.posttrain import lora as L
+  from k3jax.train.run import RunConfig, TrainConfig
+  from k3jax.train.state import abstract_state
   c = preset("tiny", num_layers=num_layers, num_experts=num_experts, expert_format=expert_format,
              moe_intermediate_size=F, latent_moe_dim=D, lora_rank=2, lora_targets=("q", "o"),
              remat=True, scan_layers=True, num_mtp_layers=0, dtype="bfloat16",
              param_dtype="bfloat16", moe_capacity_factor=1.25, kernel_backend="xla")
-  cfg = trainer.base_config("tiny")
-  cfg.train.batch_size, cfg.train.seq_len, cfg.train.mtp_weight = 2, 64, 0.0
-  step = L.build_lora_step(cfg, c, None)
-  state = L.abstract_state(c, step.tx)
-  batch = data_lib.abstract_batch(cfg.train.batch_size, cfg.train.seq_len)
+  run = RunConfig(model=c, train=TrainConfig(batch_size=2, seq_len=64, mtp_weight=0.0))
+  step = L.build_adapter_step(run, c, None)
+  state = abstract_state(nn.unbox(abstract_variables(c)), L.ADAPTERS, step.tx)
+  batch = data_lib.abstract_batch(run.train.batch_size, run.train.seq_len)
   ma = step.train.lower(state, batch).compile().memory_analysis()
   moe_layers = num_layers - c.first_dense_layers
   return dict(num_layers=num_layers, stack_layout=list(c.stack_layout()),

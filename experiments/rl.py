@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 def parse_teachers(spec: str) -> dict[tuple[str, str], str]:
   """"d1:e1=PATH,d2:e2=PATH" → {(d1, e1): PATH, ...}; a malformed entry names itself."""
-  from k3jax.rl.tasks import DOMAINS, EFFORTS
+  from k3jax.data.rl_tasks import DOMAINS, EFFORTS
   out = {}
   for item in filter(None, (s.strip() for s in spec.split(","))):
     key, sep, path = item.partition("=")
@@ -52,21 +52,21 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   import pathlib
 
-  from k3jax.rl import loop
-  from k3jax.rl.rewards import Teachers
-  from k3jax.train.checkpoint import load_pretrained, save_pretrained
+  from k3jax.posttrain.rl import loop
+  from k3jax.posttrain.rl.rewards import Teachers
+  from k3jax.convert.checkpoint import load_pretrained, save_pretrained
   from k3jax.train.sharded import run_mesh
 
-  cfg = _CONFIG.value
+  r = loop.rl_config(_CONFIG.value)     # the one read of the command line's config
   config, variables = load_pretrained(_POLICY.value)
   teachers = None
   spec = parse_teachers(_TEACHERS.value)
   if spec:
     teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.vocab_size)
-  history, state = loop.run(cfg, config, variables, teachers=teachers, out_dir=_OUT.value,
-                            mesh=run_mesh(cfg))
+  history, state = loop.run(r, config, variables, teachers=teachers, out_dir=_OUT.value,
+                            mesh=run_mesh(r.run))
   if _SAVE.value:
-    save_pretrained(pathlib.Path(_OUT.value) / "policy", loop.policy_config(cfg, config),
+    save_pretrained(pathlib.Path(_OUT.value) / "policy", loop.policy_config(r.rl, config),
                     state.variables,
                     step=int(state.step))
   trained = [h for h in history if "reward" in h]

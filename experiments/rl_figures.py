@@ -3,7 +3,7 @@
 python -m experiments.rl_figures --figure=all --out=runs/rl_figures
 
   cold_start  a short supervised warm-up of the policy on correct responses with 0–8 filler
-              dots (k3jax/rl/tasks.py `sft_response`) through the pre-training step; saved as
+              dots (k3jax/data/rl_tasks.py `sft_response`) through the pre-training step; saved as
               OUT/cold_start (a checkpoint experiments/rl.py takes as --policy).
   mismatch    max |rollout − trainer| log-prob of sampled tokens, model in fp32 and in bf16.
   partial     wall time per round of partial rollouts (λ < 1) vs waiting for all (λ = 1) on
@@ -77,23 +77,25 @@ def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_st
   reloaded from OUT/<name>)."""
   import jax
   import numpy as np
-  from k3jax.rl import tasks
-  from k3jax.train.checkpoint import load_pretrained, save_pretrained
-  from k3jax.train.sharded import build_step
-  from k3jax.train.step import create_state
-  from k3jax.train.trainer import model_config
+  from k3jax.data import rl_tasks
+  from k3jax.convert.checkpoint import load_pretrained, save_pretrained
+  from k3jax.posttrain.rl.loop import RL_GROUPS
+  from k3jax.train.run import run_config
+  from k3jax.train.sharded import PRETRAIN, build_step
+  from k3jax.train.state import init_state, init_variables
 
   steps = steps or _SFT_STEPS.value
   path = out / name
   if path.exists():
     return load_pretrained(path)
   c = _cfg()
-  config = model_config(c)
   c.train.steps = steps
   c.optim.update(dict(lr=3e-3, warmup_frac=0.05, final_lr_frac=0.1, muon=True))
-  step = build_step(c, config)
-  state = create_state(config, jax.random.PRNGKey(c.seed), step.tx)
-  sampler = tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=1234)
+  run = run_config(c, extra=tuple(RL_GROUPS))     # supervised steps: the RL groups unused
+  config = run.model
+  step = build_step(run, config)
+  state = init_state(init_variables(config, jax.random.PRNGKey(run.seed)), PRETRAIN, step.tx)
+  sampler = rl_tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=1234)
   rng = np.random.default_rng(0)
   batch, width = 32, c.rl.max_prompt_len + c.rl.max_new_tokens
   losses, t0 = [], time.perf_counter()
@@ -101,7 +103,7 @@ def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_st
     rows = np.zeros((batch, width + 1), np.int32)
     mask = np.zeros((batch, width), np.float32)
     for i, t in enumerate(sampler.sample(batch)):
-      resp = list(tasks.encode(tasks.sft_response(t, rng))) + [tasks.STOP_TOKEN]
+      resp = list(rl_tasks.encode(rl_tasks.sft_response(t, rng))) + [rl_tasks.STOP_TOKEN]
       seq = list(t.tokens) + resp
       rows[i, :len(seq)] = seq
       mask[i, len(t.tokens) - 1:len(seq) - 1] = 1     # predict the response tokens only
@@ -119,15 +121,17 @@ def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_st
 
 def mismatch(out: pathlib.Path, config, variables):
   import jax
-  from k3jax.rl import logprobs as L, rollout as R, tasks
+  from k3jax.posttrain.rl import logprobs as L
+  from k3jax.posttrain.rl import rollout as R
+  from k3jax.data import rl_tasks
   c = _cfg()
   width = c.rl.max_prompt_len + c.rl.max_new_tokens
-  prompts = [t.tokens for t in tasks.TaskSampler(c.rl.domains, seed=7).sample(32)]
+  prompts = [t.tokens for t in rl_tasks.TaskSampler(c.rl.domains, seed=7).sample(32)]
   res = {}
   for dtype in ("float32", "bfloat16"):
     cfg = config.replace(dtype=dtype)
     o = R.rollout(cfg, variables, prompts, c.rl.max_new_tokens, key=jax.random.PRNGKey(3),
-                  width=width, stop_tokens=[tasks.STOP_TOKEN])
+                  width=width, stop_tokens=[rl_tasks.STOP_TOKEN])
     seqs, plens = R.sequences(prompts, [o.row(b)[0] for b in range(len(prompts))], width)
     lp = L.token_logprobs(cfg, variables, seqs, plens, o.tokens.shape[1])
     res[dtype] = {"max_abs": L.mismatch(o.logprobs, lp, o.lengths),
@@ -139,8 +143,8 @@ def mismatch(out: pathlib.Path, config, variables):
 def partial(out: pathlib.Path, config, variables):
   import jax
   import numpy as np
-  from k3jax.rl import tasks
-  from k3jax.rl.partial import PartialRollout
+  from k3jax.data import rl_tasks
+  from k3jax.posttrain.rl.partial import PartialRollout
   c = _cfg()
   max_new = 64
   width = c.rl.max_prompt_len + max_new
@@ -150,7 +154,7 @@ def partial(out: pathlib.Path, config, variables):
 
   res = {}
   for lam in (1.0, 0.75, 0.5):
-    pool = PartialRollout(tasks.TaskSampler(c.rl.domains, seed=11), n_prompts=8, k=4, lam=lam,
+    pool = PartialRollout(rl_tasks.TaskSampler(c.rl.domains, seed=11), n_prompts=8, k=4, lam=lam,
                           max_new_tokens=max_new, width=width, stop_tokens=(),
                           temperature=1.0, limit_fn=pareto, seed=0)
     pool.round(config, variables, 0, jax.random.PRNGKey(0))   # compile
@@ -170,7 +174,7 @@ def partial(out: pathlib.Path, config, variables):
 
 
 def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
-  from k3jax.rl import loop
+  from k3jax.posttrain.rl import loop
   c = _cfg()
   c.budget.enabled = budget
   c.budget.update(dict(tau_start=1.2, tau_end=0.6, anneal_rounds=max(1, _ROUNDS.value // 2)))
@@ -184,13 +188,15 @@ def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
 def accuracy(config, variables, n: int = 64, seed: int = 99) -> float:
   """Mean exact-answer rate of sampled (temperature 1) responses on n fresh prompts."""
   import jax
-  from k3jax.rl import rewards, rollout as R, tasks
+  from k3jax.posttrain.rl import rewards
+  from k3jax.posttrain.rl import rollout as R
+  from k3jax.data import rl_tasks
   c = _cfg()
-  ts = tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=seed).sample(n)
+  ts = rl_tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=seed).sample(n)
   o = R.rollout(config, variables, [t.tokens for t in ts], c.rl.max_new_tokens,
                 key=jax.random.PRNGKey(seed), width=c.rl.max_prompt_len + c.rl.max_new_tokens,
-                stop_tokens=[tasks.STOP_TOKEN])
-  texts = [tasks.decode(o.row(b)[0]) for b in range(n)]
+                stop_tokens=[rl_tasks.STOP_TOKEN])
+  texts = [rl_tasks.decode(o.row(b)[0]) for b in range(n)]
   return float(rewards.task_rewards(ts, texts).mean())
 
 
@@ -199,9 +205,9 @@ def mopd(out: pathlib.Path, config, variables):
   300-step cold start) or a worse one (the untrained initial model): the loop's loss (task
   reward with group baseline + MOPD, mopd_coef 1), no budget."""
   import jax
-  from k3jax.rl import loop
-  from k3jax.rl.rewards import Teachers
-  from k3jax.train.step import init_variables
+  from k3jax.posttrain.rl import loop
+  from k3jax.posttrain.rl.rewards import Teachers
+  from k3jax.train.state import init_variables
   s_cfg, student = cold_start(out, 100, "cold_start_100")
   weak = init_variables(config, jax.random.PRNGKey(0))
   res = {"student_start_accuracy": accuracy(s_cfg, student)}

@@ -60,7 +60,7 @@ def _tokenize(text: str, tokenizer: str, vocab_size: int) -> tuple[list[int], li
 
 def main(argv):
   del argv
-  from k3jax.train.checkpoint import load_pretrained
+  from k3jax.convert.checkpoint import load_pretrained
   if not FLAGS.ckpt or (FLAGS.text is None) == (FLAGS.tokens is None):
     raise app.UsageError("--ckpt and exactly one of --text / --tokens are required")
   config, variables = load_pretrained(FLAGS.ckpt)

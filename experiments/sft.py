@@ -1,4 +1,4 @@
-r"""Supervised fine-tuning on chat conversations (the XTML format, k3jax/chat.py).
+r"""Supervised fine-tuning on chat conversations (the XTML format, k3jax/data/chat.py).
 
   python -m experiments.sft --config=configs/sft_tiny.py --workdir=runs/sft_tiny \
       [--init=runs/tiny] [--data=convs.jsonl] [--config.train.steps=500 ...]
@@ -6,8 +6,8 @@ r"""Supervised fine-tuning on chat conversations (the XTML format, k3jax/chat.py
 --init: a checkpoint (run directory or any directory `load_pretrained` reads) whose params and
 router biases start the run, with a fresh optimizer (sets train.init; its model config must
 equal the run config's). Without it the model starts from a random init of cfg.seed.
---data: a JSONL file of conversations (schema in k3jax/train/sft.py; sets data.sft_file);
-without it, the embedded procedural tasks (k3jax/train/sft_tasks.py). The loss is on the
+--data: a JSONL file of conversations (schema in k3jax/data/sft.py; sets data.sft_file);
+without it, the embedded procedural tasks (k3jax/data/sft_tasks.py). The loss is on the
 assistant tokens only; metrics, checkpoints and resume are those of experiments/train.py (the
 same loop: rerunning the command resumes from the newest checkpoint in --workdir, and then
 --init is not read again). Held-out accuracy: experiments/eval_sft.py.
@@ -28,7 +28,7 @@ _INIT = flags.DEFINE_string("init", None, "Checkpoint to start from (sets train.
 _DATA = flags.DEFINE_string("data", None, "JSONL conversations (sets data.sft_file).")
 
 
-def run_config(cfg, init: str | None, data: str | None):
+def sft_config(cfg, init: str | None, data: str | None):
   """The run config with --init / --data applied; ValueError when it is not an SFT config."""
   if cfg.data.source != "sft":
     raise ValueError(f"--config: data.source must be 'sft' for experiments.sft, found "
@@ -46,9 +46,10 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("k3jax.train").setLevel(logging.INFO)
+  from k3jax.train.run import run_config
   from k3jax.train.trainer import train
-  cfg = run_config(_CONFIG.value, _INIT.value, _DATA.value)
-  records = train(cfg, _WORKDIR.value)
+  records = train(run_config(sft_config(_CONFIG.value, _INIT.value, _DATA.value)),
+                  _WORKDIR.value)
   if records:
     last = records[-1]
     ev = f", held-out loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""

@@ -16,6 +16,9 @@ jax.distributed.initialize (--coordinator_address/--num_processes/--process_id o
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID variables): every process runs this
 same command, builds the same global batch and feeds only its own devices' slices.
 
+With --config.train.lora.rank > 0 the run trains LoRA adapters on a frozen base
+(k3jax/posttrain/lora.py); every other kind of training goes through the same loop.
+
 The terminal shows the progress bar, the per-step summary and warnings; absl's and orbax's
 INFO messages are hidden unless --verbosity=0 (absl's own flag) asks for them.
 """
@@ -58,9 +61,13 @@ def main(argv):
   if _MULTIHOST.value:
     from k3jax import sharding
     sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from k3jax.posttrain import lora
+  from k3jax.train.run import run_config
   from k3jax.train.sharded import run_mesh
-  from k3jax.train.trainer import train
-  records = train(_CONFIG.value, _WORKDIR.value, mesh=run_mesh(_CONFIG.value))
+  from k3jax.train.trainer import PRETRAINING, train
+  run = run_config(_CONFIG.value)     # the one read of the command line's config
+  recipe = lora.RECIPE if run.train.lora.rank else PRETRAINING
+  records = train(run, _WORKDIR.value, recipe=recipe, mesh=run_mesh(run))
   if records:
     last = records[-1]
     print(f"step {last['step']}: loss {last['loss']:.4f}, "

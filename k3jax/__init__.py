@@ -1,11 +1,19 @@
-"""k3jax: Kimi K3 in JAX/Flax."""
+"""k3jax: Kimi K3 in JAX/Flax.
+
+`k3jax.preset(name)` builds a `ModelConfig`; `k3jax.load_pretrained(path, mesh=None)` reads a
+checkpoint (`k3jax.convert.checkpoint.load_pretrained`)."""
+
+import importlib
 
 from k3jax.config import ModelConfig, preset
 
-__all__ = ["ModelConfig", "preset"]
+
+def __getattr__(name: str):
+  # Every `import k3jax.<module>` runs this file first: importing the converter here would make
+  # `import k3jax.model` load it. `load_pretrained` is resolved on first use instead.
+  if name == "load_pretrained":
+    return importlib.import_module("k3jax.convert.checkpoint").load_pretrained
+  raise AttributeError(f"module 'k3jax' has no attribute {name!r}")
 
 
-def load_pretrained(path):
-  """(config, variables) of a training run or checkpoint dir: k3jax.train.checkpoint."""
-  from k3jax.train.checkpoint import load_pretrained as _load  # lazy: keeps import light
-  return _load(path)
+__all__ = ["ModelConfig", "preset", "load_pretrained"]

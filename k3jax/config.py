@@ -14,13 +14,191 @@ Spec references: K3_SPEC.md §1 (Table 1), §2 (layout), §3–6 (components), �
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from k3jax.presets import from_presets
+import jax.numpy as jnp
 
-if TYPE_CHECKING:
-  from k3jax.vision.config import VisionConfig
+# ====================================================================== the vision tower (§11)
+# Padded stream lengths the packer chooses from (patches): `jit` compiles once per bucket.
+DEFAULT_BUCKETS = tuple(2 ** k for k in range(8, 19))  # 256 … 262,144
 
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Architecture of a MoonViT tower and its projector into the text stream."""
+
+  name: str = "custom"
+  patch_size: int = 14
+  in_channels: int = 3
+  hidden_size: int = 1024                 # vt_hidden_size
+  num_layers: int = 27                    # vt_num_hidden_layers
+  num_heads: int = 12                     # vt_num_attention_heads
+  head_dim: int = 128                     # qkv_hidden_size / num_heads
+  intermediate_size: int = 4096           # vt_intermediate_size
+  norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+  norm_eps: float = 1e-5
+  use_bias: bool = False                  # every Linear/conv of the tower and the projector
+
+  # --- divided-fixed absolute position (§11)
+  pos_emb_height: int = 64                # init_pos_emb_height
+  pos_emb_width: int = 64                 # init_pos_emb_width
+  pos_emb_interpolation: Literal["bilinear", "bicubic"] = "bilinear"
+  max_frames: int = 4                     # rows of the fixed sin-cos time table (not resampled)
+
+  # --- 2-D RoPE (§11)
+  rope_theta: float = 10000.0
+  # "rows_then_cols": complex pairs [0, P/2) rotate by the row, [P/2, P) by the column (K3 §11).
+  # "interleaved_cols_rows": pair 2j by the column, 2j+1 by the row, both with frequency j
+  #   (Kimi-VL / K2.5's MoonViT: `transformers`' Kimi_K25VisionRotaryEmbedding recomposition).
+  rope_layout: Literal["rows_then_cols", "interleaved_cols_rows"] = "rows_then_cols"
+  max_grid_side: int = 512                # rows/cols per sample the RoPE tables cover
+  max_patches_per_frame: int = 65536      # preprocessing budget (256×256 patches)
+
+  # --- merger and projector (§11)
+  merge_kernel: tuple[int, int] = (2, 2)  # sd2_tpool: only 2×2 is defined
+  # post: RMSNorm(text_hidden) after the projector (K3); pre: LayerNorm(hidden) before (K2.5)
+  projector_norm: Literal["post", "pre"] = "post"
+  projector_norm_eps: float = 1e-5
+  text_hidden_size: int = 7168            # projector output width = the text model's d_model
+
+  # --- packing and numerics
+  pack_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    self.validate()
+
+  # ------------------------------------------------------------------ derived quantities
+  @property
+  def qkv_hidden_size(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def patch_dim(self) -> int:
+    """Flattened patch width, in (channel, row, col) order: 3·14·14 = 588."""
+    return self.in_channels * self.patch_size * self.patch_size
+
+  @property
+  def merged_dim(self) -> int:
+    """Width of one merged token: 4 · hidden."""
+    return self.merge_kernel[0] * self.merge_kernel[1] * self.hidden_size
+
+  def replace(self, **overrides: Any) -> "VisionConfig":
+    return dataclasses.replace(self, **overrides)
+
+  # ------------------------------------------------------------------ validation
+  def validate(self) -> None:
+    def bad(field: str, msg: str):
+      raise ValueError(f"VisionConfig.{field}: {msg}")
+
+    for f in ("patch_size", "in_channels", "hidden_size", "num_layers", "num_heads", "head_dim",
+              "intermediate_size", "pos_emb_height", "pos_emb_width", "max_frames",
+              "max_grid_side", "max_patches_per_frame", "text_hidden_size"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        bad(f, f"expected a positive int, found {v!r}")
+    if self.norm not in ("rmsnorm", "layernorm"):
+      bad("norm", f"expected 'rmsnorm' or 'layernorm', found {self.norm!r}")
+    if self.pos_emb_interpolation not in ("bilinear", "bicubic"):
+      bad("pos_emb_interpolation", f"expected 'bilinear' or 'bicubic', found "
+          f"{self.pos_emb_interpolation!r}")
+    if self.rope_layout not in ("rows_then_cols", "interleaved_cols_rows"):
+      bad("rope_layout", f"expected 'rows_then_cols' or 'interleaved_cols_rows', found "
+          f"{self.rope_layout!r}")
+    if self.projector_norm not in ("post", "pre"):
+      bad("projector_norm", f"expected 'post' or 'pre', found {self.projector_norm!r}")
+    # Two rotation axes, each over an equal number of complex pairs: head_dim % 4 == 0.
+    if self.head_dim % 4:
+      bad("head_dim", f"2-D RoPE needs a multiple of 4, found {self.head_dim}")
+    if self.hidden_size % 2:
+      bad("hidden_size", f"the sin-cos time table needs an even width, found {self.hidden_size}")
+    if tuple(self.merge_kernel) != (2, 2):
+      bad("merge_kernel", f"sd2_tpool is defined for (2, 2) only, found {self.merge_kernel!r}")
+    for f in ("norm_eps", "projector_norm_eps", "rope_theta"):
+      if not getattr(self, f) > 0:
+        bad(f, f"expected a positive float, found {getattr(self, f)!r}")
+    b = self.pack_buckets
+    if (not b or any(not isinstance(x, int) or x <= 0 or x % 4 for x in b)
+        or list(b) != sorted(set(b))):
+      bad("pack_buckets", f"expected strictly increasing positive multiples of 4, found {b!r}")
+    for f in ("dtype", "param_dtype"):
+      if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+        bad(f, f"expected 'float32', 'bfloat16' or 'float16', found {getattr(self, f)!r}")
+
+
+# ---------------------------------------------------------------------- vision presets
+def _moonvit_v2() -> dict:
+  return dict(name="moonvit_v2")  # the dataclass defaults are K3's released tower (§11)
+
+
+def _moonvit_k25() -> dict:
+  return dict(
+      name="moonvit_k25", hidden_size=1152, num_layers=27, num_heads=16, head_dim=72,
+      intermediate_size=4304, norm="layernorm", norm_eps=1e-5, use_bias=True,
+      pos_emb_interpolation="bicubic", rope_layout="interleaved_cols_rows",
+      projector_norm="pre", projector_norm_eps=1e-5, text_hidden_size=7168)
+
+
+def _tiny_vision(base: dict, name: str) -> dict:
+  # Seconds per test: 2 layers, 2 heads of 16, an 8×8 position table, small buckets.
+  return {**base, **dict(
+      name=name, hidden_size=32, num_layers=2, num_heads=2, head_dim=16, intermediate_size=64,
+      pos_emb_height=8, pos_emb_width=8, max_grid_side=32, text_hidden_size=48,
+      pack_buckets=(64, 128, 256))}
+
+
+VISION_PRESETS = {
+    "moonvit_v2": _moonvit_v2,
+    "moonvit_k25": _moonvit_k25,
+    "tiny_moonvit_v2": lambda: _tiny_vision(_moonvit_v2(), "tiny_moonvit_v2"),
+    "tiny_moonvit_k25": lambda: _tiny_vision(_moonvit_k25(), "tiny_moonvit_k25"),
+}
+
+
+def vision_preset(name: str, **overrides: Any) -> VisionConfig:
+  """A validated vision preset, with `overrides` applied (unknown fields raise ValueError)."""
+  if name not in VISION_PRESETS:
+    raise ValueError(f"unknown vision preset {name!r}; expected one of {sorted(VISION_PRESETS)}")
+  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(VisionConfig)})
+  if unknown:
+    raise ValueError(f"unknown VisionConfig field(s) {unknown}")
+  return VisionConfig(**{**VISION_PRESETS[name](), **overrides})
+
+
+def as_vision_config(value, *, text_hidden_size: int | None = None) -> VisionConfig | None:
+  """The vision tower a config file or checkpoint names, as a VisionConfig (or None).
+
+  value: None, "" or "none" → None; a preset name → that preset; a dict → the preset its
+  "preset" key names (default: the dataclass defaults) with the other keys as fields (lists
+  become tuples; the form `dataclasses.asdict` and JSON give back); a VisionConfig → itself.
+  `text_hidden_size`, when given, sets the projector's width unless the dict sets it.
+  Unknown names and fields raise ValueError naming them.
+  """
+  if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+    return None
+  if isinstance(value, VisionConfig):
+    return value
+  width = {} if text_hidden_size is None else {"text_hidden_size": text_hidden_size}
+  if isinstance(value, str):
+    return vision_preset(value, **width)
+  if hasattr(value, "to_dict"):  # ml_collections.ConfigDict
+    value = value.to_dict()
+  if not isinstance(value, dict):
+    raise ValueError(f"vision: expected None, a preset name, a dict or a VisionConfig, found "
+                     f"{type(value).__name__}")
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+  name = fields.pop("preset", None)
+  if name is None:
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(VisionConfig)})
+    if unknown:
+      raise ValueError(f"unknown VisionConfig field(s) {unknown}")
+    return VisionConfig(**{**width, **fields})
+  return vision_preset(name, **{**width, **fields})
+
+
+
+# ====================================================================== the model
 KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
@@ -354,7 +532,6 @@ class ModelConfig:
         bad("media_placeholder_token_id", f"{pid} is set but vision is None (a text-only model "
             "has no media to place)")
       return
-    from k3jax.vision.config import VisionConfig  # the vision package imports this module
     if not isinstance(self.vision, VisionConfig):
       bad("vision", f"expected a VisionConfig or None, found {type(self.vision).__name__}")
     if self.vision.text_hidden_size != self.d_model:
@@ -368,7 +545,6 @@ class ModelConfig:
 # ---------------------------------------------------------------------- presets
 def _k3() -> dict:
   # The dataclass defaults are K3's text model (Table 1); the release carries MoonViT-V2 (§11).
-  from k3jax.vision.config import vision_preset  # the vision package imports this module
   return dict(name="k3", vision=vision_preset("moonvit_v2"), media_placeholder_token_id=163605)
 
 
@@ -413,7 +589,6 @@ def _tiny() -> dict:
 
 def _tiny_multimodal() -> dict:
   # tiny + a 2-layer MoonViT-V2 tower; id 260 is the byte tokenizer's <media> placeholder.
-  from k3jax.vision.config import vision_preset  # the vision package imports this module
   return {**_tiny(), **dict(name="tiny_multimodal", media_placeholder_token_id=260,
                             vision=vision_preset("tiny_moonvit_v2", text_hidden_size=64))}
 
@@ -439,13 +614,75 @@ PRESETS = {
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
   """A validated preset, with `overrides` applied (unknown fields raise ValueError)."""
-  return from_presets(ModelConfig, PRESETS, name, overrides)
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ValueError(f"unknown ModelConfig field(s) {unknown}")
+  return ModelConfig(**{**PRESETS[name](), **overrides})
+
+
+# ---------------------------------------------------------------------- as JSON (checkpoints)
+def config_to_dict(config: ModelConfig) -> dict:
+  """The config as a JSON-ready dict (what checkpoints store)."""
+  d = dataclasses.asdict(config)
+  d["qb_range"] = list(d["qb_range"])
+  d["lora_targets"] = list(d["lora_targets"])
+  if d["eagle_blocks"] is not None:
+    d["eagle_blocks"] = list(d["eagle_blocks"])
+  return d
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+  """`config_to_dict`'s inverse (ValueError naming unknown fields)."""
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(d) - fields)
+  if unknown:
+    raise ValueError(f"model_config: unknown ModelConfig field(s) {unknown} in checkpoint")
+  d = dict(d)
+  if "qb_range" in d:
+    d["qb_range"] = tuple(d["qb_range"])
+  if "lora_targets" in d:
+    d["lora_targets"] = tuple(d["lora_targets"])
+  if d.get("eagle_blocks") is not None:
+    d["eagle_blocks"] = tuple(d["eagle_blocks"])
+  if "vision" in d:
+    d["vision"] = as_vision_config(d["vision"])
+  return ModelConfig(**d)
+
+
+def flat_fields(config: ModelConfig) -> dict:
+  """{field: value} of every field (tuples as tuples, the vision tower as its dict)."""
+  return {f.name: (dataclasses.asdict(getattr(config, f.name)) if f.name == "vision"
+                   and config.vision is not None else getattr(config, f.name))
+          for f in dataclasses.fields(ModelConfig)}
+
+
+def model_config_from_flat(fields: dict) -> ModelConfig:
+  """A ModelConfig from {field: value} (lists become tuples; unknown fields are a ValueError
+  naming them)."""
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"unknown ModelConfig field(s) {unknown}")
+  d = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+  if "vision" in d:
+    d["vision"] = as_vision_config(d["vision"])
+  return ModelConfig(**d)
+
+
+def config_diff(a: ModelConfig, b: ModelConfig) -> dict:
+  """{field: (a value, b value)} of the fields that differ."""
+  da, db = config_to_dict(a), config_to_dict(b)
+  return {k: (da[k], db.get(k)) for k in da if da[k] != db.get(k)}
+
 
 
 def dtype_of(name: str):
-  import jax.numpy as jnp
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-__all__ = ["ModelConfig", "preset", "PRESETS", "dtype_of", "KDA", "MLA", "DENSE", "MOE",
+__all__ = ["ModelConfig", "VisionConfig", "preset", "flat_fields", "model_config_from_flat", "vision_preset", "as_vision_config",
+           "PRESETS", "VISION_PRESETS", "DEFAULT_BUCKETS", "dtype_of", "config_to_dict", "config_from_dict",
+           "config_diff", "KDA", "MLA", "DENSE", "MOE",
            "LORA_TARGETS"]

@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from k3jax.config import ModelConfig
-from k3jax.vision.config import vision_config_from_hf, vision_config_to_hf
+from k3jax.config import VisionConfig, vision_preset
 
 K3_MODEL_TYPE = "kimi_k3"
 KIMI_LINEAR_MODEL_TYPE = "kimi_linear"
@@ -448,6 +448,78 @@ def to_hf_config(c: ModelConfig, arch: str | None = None,
   return out
 
 
+# ---------------------------------------------------------------------- vision_config
+def vision_config_from_hf(vision_config: dict, *, text_hidden_size: int | None = None,
+                          projector_norm_eps: float | None = None) -> VisionConfig:
+  """A `vision_config` dict of a checkpoint's config.json → VisionConfig.
+
+  model_type "kimi_k3_vision" (K3's release, §11: `vt_*` keys, `qkv_hidden_size`,
+  `init_pos_emb_*`, `text_hidden_size`; a norm eps key, when present, wins over 1e-5) →
+  the moonvit_v2 family; "kimi_k25_vision" (`transformers`' Kimi_K25VisionConfig keys; the
+  projector width and eps live at the top level: pass `text_hidden_size` = text_config's
+  hidden_size and `projection_layer_norm_eps`) → the moonvit_k25 family. Unknown model types
+  and missing keys raise ValueError naming them.
+  """
+  vc = dict(vision_config)
+  kind = vc.get("model_type")
+
+  def get(key, default=None):
+    if key in vc:
+      return vc[key]
+    if default is None:
+      raise ValueError(f"vision_config.{key}: missing (model_type {kind!r})")
+    return default
+
+  if kind == "kimi_k3_vision":
+    heads = get("vt_num_attention_heads")
+    qkv = get("qkv_hidden_size")
+    if qkv % heads:
+      raise ValueError(f"vision_config.qkv_hidden_size: {qkv} is not a multiple of "
+                       f"vt_num_attention_heads = {heads}")
+    eps = next((vc[k] for k in ("rms_norm_eps", "norm_eps", "layer_norm_eps") if k in vc), 1e-5)
+    fields = dict(
+        num_layers=get("vt_num_hidden_layers"), hidden_size=get("vt_hidden_size"),
+        num_heads=heads, head_dim=qkv // heads, intermediate_size=get("vt_intermediate_size"),
+        patch_size=get("patch_size", 14), pos_emb_height=get("init_pos_emb_height", 64),
+        pos_emb_width=get("init_pos_emb_width", 64), norm_eps=eps, projector_norm_eps=eps,
+        merge_kernel=tuple(get("merge_kernel_size", [2, 2])),
+        text_hidden_size=text_hidden_size or get("text_hidden_size"))
+    return vision_preset("moonvit_v2").replace(**fields)
+  if kind == "kimi_k25_vision":
+    if text_hidden_size is None:
+      raise ValueError("text_hidden_size: required for a kimi_k25_vision config (the "
+                       "projector's output width is text_config.hidden_size)")
+    heads = get("num_attention_heads", 16)
+    hidden = get("hidden_size", 1152)
+    rope = vc.get("rope_parameters") or {}
+    fields = dict(
+        num_layers=get("num_hidden_layers", 27), hidden_size=hidden,
+        num_heads=heads, head_dim=hidden // heads, intermediate_size=get("intermediate_size", 4304),
+        patch_size=get("patch_size", 14), pos_emb_height=get("pos_emb_height", 64),
+        pos_emb_width=get("pos_emb_width", 64), max_frames=get("pos_emb_time", 4),
+        merge_kernel=tuple(get("merge_kernel_size", [2, 2])),
+        rope_theta=float(rope.get("rope_theta", 10000.0)), text_hidden_size=text_hidden_size,
+        projector_norm_eps=projector_norm_eps or 1e-5)
+    return vision_preset("moonvit_k25").replace(**fields)
+  raise ValueError(f"vision_config.model_type: expected 'kimi_k3_vision' or 'kimi_k25_vision', "
+                   f"found {kind!r}")
+
+
+def vision_config_to_hf(config: VisionConfig) -> dict:
+  """VisionConfig of the moonvit_v2 family → the released K3 `vision_config` dict (§11)."""
+  if config.norm != "rmsnorm" or config.use_bias or config.projector_norm != "post":
+    raise ValueError(f"VisionConfig.norm/use_bias/projector_norm: only the moonvit_v2 family "
+                     f"has a K3 vision_config, found {config.name!r}")
+  return {
+      "model_type": "kimi_k3_vision", "vt_num_hidden_layers": config.num_layers,
+      "vt_hidden_size": config.hidden_size, "vt_num_attention_heads": config.num_heads,
+      "qkv_hidden_size": config.qkv_hidden_size, "vt_intermediate_size": config.intermediate_size,
+      "patch_size": config.patch_size, "init_pos_emb_height": config.pos_emb_height,
+      "init_pos_emb_width": config.pos_emb_width, "merge_kernel_size": list(config.merge_kernel),
+      "text_hidden_size": config.text_hidden_size, "rms_norm_eps": config.norm_eps,
+  }
+
+
 __all__ = ["from_hf_config", "to_hf_config", "ignored_keys", "detect_arch", "text_config",
            "is_k3_style", "check_quantization_config", "release_quantization_config",
-           "MXFP4_FORMAT", "MXFP4_GROUP_SIZE"]
+           "vision_config_from_hf", "vision_config_to_hf", "MXFP4_FORMAT", "MXFP4_GROUP_SIZE"]

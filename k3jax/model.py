@@ -53,7 +53,7 @@ from k3jax import sharding
 from k3jax.cache import Cache
 from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig, dtype_of
 from k3jax.layers.attnres import AttnResMixer
-from k3jax.layers.cache import Feed
+from k3jax.layers.feed import Feed
 from k3jax.layers.kda import KDA as KDALayer
 from k3jax.layers.linear import linear
 from k3jax.layers.mla import MLA as MLALayer
@@ -194,7 +194,7 @@ class MTP(nn.Module):
   """Multi-token prediction module: (h [B,S,d], next_emb [B,S,d]) → (normed hidden, hidden
   before the norm) [B,S,d] each; with `cache` (its layer's MLACache) and `feed` → (normed,
   pre-norm, updated cache). The pre-norm hidden is what a chained draft feeds back as the next
-  position's h (k3jax/serving/eagle.py)."""
+  position's h (k3jax/posttrain/eagle.py)."""
   config: ModelConfig
 
   @nn.compact
@@ -342,7 +342,7 @@ class K3Model(nn.Module):
 
   def draft_inputs(self, tokens, segment_ids=None, media: Media | None = None):
     """(logits fp32 [B,T,vocab], the draft's feature input fp32 [B,T,d]) of a forward pass:
-    the targets and the step-0 inputs of EAGLE-3 training (k3jax/serving/eagle.py)."""
+    the targets and the step-0 inputs of EAGLE-3 training (k3jax/posttrain/eagle.py)."""
     cfg = self.config
     _check_tokens(tokens, cfg.vocab_size, segment_ids)
     if not cfg.num_mtp_layers:
@@ -359,7 +359,7 @@ class K3Model(nn.Module):
     Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature input:
     before the final norm, or the EAGLE-3 fusion), cache with every layer's cache extended
     and lengths + num_new). Outputs past num_new[b] are meaningless. With the "rewind"
-    collection mutable, the KDA layers also sow what `k3jax.serving.speculative.rewind` needs
+    collection mutable, the KDA layers also sow what `k3jax.serve.speculative.rewind` needs
     to keep only a prefix of the tokens.
     """
     _check_feed("extend", tokens, cache.lengths, num_new)
@@ -491,5 +491,12 @@ def source_counts(config: ModelConfig) -> dict:
   return attn_res_source_counts(config.num_layers, config.attn_res_block_size)
 
 
-__all__ = ["K3Model", "DecoderLayer", "LayerGroup", "MTP", "document_ids", "layer_kinds",
-           "mtp_document_ids", "source_counts"]
+def abstract_variables(config: ModelConfig) -> dict:
+  """Every collection of `K3Model(config)` as `jax.ShapeDtypeStruct`s, boxed with their logical
+  axis names (`jax.eval_shape` of the init: nothing is allocated). The shardings of a state and
+  of a restored checkpoint are derived from it."""
+  return jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+
+
+__all__ = ["K3Model", "DecoderLayer", "LayerGroup", "MTP", "abstract_variables", "document_ids",
+           "layer_kinds", "mtp_document_ids", "source_counts"]

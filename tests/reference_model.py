@@ -20,7 +20,7 @@ plain loops over tokens / heads / time:
 A "document" is a maximal run of equal segment ids in a row; nothing crosses a document
 boundary (KDA state, conv taps, attention). (K3Model's MLA mask and conv compare ids for
 equality instead, so the two differ when a row reuses an id after another one, e.g.
-[0,0,1,1,0,0]; k3jax.train.data numbers documents increasingly, where both agree.)
+[0,0,1,1,0,0]; k3jax.data.corpus numbers documents increasingly, where both agree.)
 
 API: `reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False)`.
 """

@@ -7,7 +7,8 @@ import pathlib
 import pytest
 
 from cli_env import ROOT
-from k3jax.train.trainer import model_config
+from k3jax.posttrain.rl.loop import RL_GROUPS, rl_config
+from k3jax.train.run import run_config
 from tools.param_count import count_params
 
 CONFIGS = sorted(p.stem for p in (pathlib.Path(ROOT) / "configs").glob("*.py")
@@ -17,13 +18,15 @@ CONFIGS = sorted(p.stem for p in (pathlib.Path(ROOT) / "configs").glob("*.py")
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_builds_a_valid_model(name):
   cfg = importlib.import_module(f"configs.{name}").get_config()
-  model = model_config(cfg)      # ModelConfig validates its fields
-  assert model.num_layers >= 1 and cfg.train.steps >= 1
+  # The typed run config validates every field (and ModelConfig its own).
+  run = rl_config(cfg).run if "rl" in cfg else run_config(cfg)
+  assert run.model.num_layers >= 1 and run.train.steps >= 1
+  assert set(cfg) <= {"seed", "model", "train", "optim", "balance", "data", "mesh", *RL_GROUPS}
 
 
 def test_gpu_1b_is_k3_shaped_at_one_billion():
   cfg = importlib.import_module("configs.gpu_1b").get_config()
-  model = model_config(cfg)
+  model = run_config(cfg).model
   counts = count_params(model)
   total, active = counts["total"], counts["activated"]
   assert 0.95e9 < total < 1.15e9 and 0.25e9 < active < 0.4e9, (total, active)

@@ -113,3 +113,47 @@ def test_sharding_imports_nothing_above_it():
   # The mesh and the logical-axis table sit below everything that shards.
   assert {m for m in GRAPH["k3jax.sharding"] if m.split(".")[0] == "k3jax"} <= {
       "k3jax.tree_paths"}
+
+
+# The rooms of the library, lowest first (DESIGN.md): a module may import its own room and the
+# rooms listed before it, never one after it — except that serving sits beside training (both
+# on the model) and post-training on both.
+MODEL_ROOMS = ("k3jax.config", "k3jax.hf_config", "k3jax.tree_paths", "k3jax.sharding",
+               "k3jax.runtime", "k3jax.ops", "k3jax.quant", "k3jax.parallel", "k3jax.layers",
+               "k3jax.vision", "k3jax.cache", "k3jax.model")
+UPPER = {  # room → the rooms above the model it may import
+    "k3jax.data": set(),
+    "k3jax.convert": set(),
+    "k3jax.train": {"k3jax.data", "k3jax.convert"},
+    "k3jax.serve": {"k3jax.data", "k3jax.convert"},
+    "k3jax.posttrain": {"k3jax.data", "k3jax.convert", "k3jax.train", "k3jax.serve"},
+}
+
+
+def _room(module: str) -> str:
+  for room in MODEL_ROOMS + tuple(UPPER):
+    if module == room or module.startswith(room + "."):
+      return room
+  return module
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m.startswith("k3jax.")))
+def test_imports_go_downward(module):
+  room = _room(module)
+  allowed = set(MODEL_ROOMS) | {room} | UPPER.get(room, set())
+  upward = sorted(m for m in GRAPH[module]
+                  if m.startswith("k3jax.") and m != "k3jax" and _room(m) not in allowed)
+  assert not upward, f"{module} ({room}) imports {upward}"
+
+
+def test_importing_the_model_loads_nothing_above_it():
+  import subprocess
+  import sys
+  code = ("import sys, k3jax.model; print(sorted(m for m in sys.modules "
+          "if m.split('.')[0] == 'k3jax'))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       check=True, env={"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+  loaded = eval(out.stdout.strip().splitlines()[-1])   # noqa: S307 - our own printed list
+  assert "k3jax.model" in loaded
+  above = [m for m in loaded if _room(m) in UPPER]
+  assert not above, f"import k3jax.model loads {above}"

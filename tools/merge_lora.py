@@ -4,11 +4,11 @@
       [--expert_format mxfp4|bf16] [--dtype bfloat16|float32]]
 
 CKPT: the base model, anything `k3jax.load_pretrained` reads (its routed experts packed MXFP4
-or not). DIR: the adapters `k3jax.train.lora.save_adapters` wrote (a LoRA run writes them to
+or not). DIR: the adapters `k3jax.posttrain.lora.save_adapters` wrote (a LoRA run writes them to
 WORKDIR/adapters). Every adapted kernel becomes W + (alpha/r)·A·B; packed experts are
 dequantised, summed and quantised again with `k3jax.quant.mx.pack_expert`, the quantiser the
 exporter and QAT use, so the merged checkpoint keeps the base's expert format
-(`k3jax.train.lora.merge_adapters`). OUT is written by `save_pretrained` (orbax writes a
+(`k3jax.posttrain.lora.merge_adapters`). OUT is written by `save_pretrained` (orbax writes a
 temporary directory and renames it); --export_dir then runs tools/export_to_pytorch's export
 on it (release layout: safetensors + config.json).
 """
@@ -23,8 +23,9 @@ FLAGS = flags.FLAGS
 def merge_checkpoint(base: str, adapters: str, dst: str):
   """Merge the adapters in `adapters` into the checkpoint `base` and save it at `dst`.
   Returns (merged ModelConfig, the step directory written)."""
-  from k3jax.train.checkpoint import config_diff, load_pretrained, save_pretrained
-  from k3jax.train.lora import load_adapters, merge_adapters, without_adapters
+  from k3jax.convert.checkpoint import load_pretrained, save_pretrained
+  from k3jax.config import config_diff
+  from k3jax.posttrain.lora import load_adapters, merge_adapters, without_adapters
 
   base_config, variables = load_pretrained(base)
   config, lora = load_adapters(adapters)

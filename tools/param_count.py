@@ -30,7 +30,7 @@ comma-separated; "all" for every one) at rank R — trainable parameters, in all
 — against full fine-tuning of the text model (every parameter of `total` + the MTP module;
 the vision tower is not fine-tuned either way), and the optimizer state each needs, from the
 optimizers' own `init` under `jax.eval_shape`: LoRA's AdamW over the adapters (two fp32
-moments each, k3jax/train/lora.py) vs the pre-training optimizer (Per-Head Muon momentum +
+moments each, k3jax/posttrain/lora.py) vs the pre-training optimizer (Per-Head Muon momentum +
 AdamW moments, fp32, k3jax/train/optim.py) and vs AdamW on everything.
 """
 
@@ -162,7 +162,7 @@ def count_lora(config, rank: int, targets: tuple[str, ...], alpha: float = 16.0)
   import numpy as np
 
   from k3jax.model import K3Model
-  from k3jax.train import lora as lora_lib
+  from k3jax.posttrain import lora as lora_lib
   from k3jax.train.optim import make_optimizer
 
   config = config.replace(vision=None, media_placeholder_token_id=None, expert_format="bf16",
@@ -183,7 +183,7 @@ def count_lora(config, rank: int, targets: tuple[str, ...], alpha: float = 16.0)
     by_target[t] = by_target.get(t, 0) + n
   adapters = size(shapes["lora"])
   full = size(shapes["params"])
-  lora_opt = jax.eval_shape(lora_lib.make_optimizer(1e-3).init, shapes["lora"])
+  lora_opt = jax.eval_shape(lora_lib.adapter_optimizer(1e-3).init, {"lora": shapes["lora"]})
   variables = {"params": shapes["params"], "balance": shapes.get("balance", {})}
   muon_opt = jax.eval_shape(make_optimizer(1e-3).init, variables)
   adamw_opt = jax.eval_shape(make_optimizer(1e-3, muon=False).init, variables)
@@ -215,7 +215,7 @@ def with_vision(config, vision_preset: str = ""):
   """`config` with the tower `--vision_preset` names: "" keeps config.vision; "none" drops it;
   another name is that `k3jax.vision` preset, its projector width set to config.d_model (a
   config without a placeholder id gets the byte tokenizer's <media>, 260)."""
-  from k3jax.vision.config import vision_preset as make_vision
+  from k3jax.config import vision_preset as make_vision
 
   if not vision_preset:
     return config

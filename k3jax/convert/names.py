@@ -16,7 +16,7 @@ Kinds (PyTorch → ours, for one slice):
              leaf becomes `…/experts/<w>/weight_packed` + `weight_scale` (k3jax/quant/mx.py),
              one release tensor per expert slot, never decoded
 
-With `config.vision` set, the vision tower and projector (spec §11, `k3jax.vision.names`) are
+With `config.vision` set, the vision tower and projector (spec §11, `k3jax.convert.vision_names`) are
 leaves too: top-level `params/vision_tower/…` and `params/mm_projector/…`, released names
 `vision_tower.*` / `mm_projector.*` without a prefix; their fused wqkv [3·H·Dh, D] and wo
 [D, H·Dh] are `linear` (a transpose and a reshape), biases and norms `copy`.
@@ -322,7 +322,7 @@ def _split_packed(leaf: Leaf) -> tuple[Leaf, Leaf]:
 def vision_leaves(vc) -> list[Leaf]:
   """One leaf per released vision tensor of VisionConfig `vc` (168 for MoonViT-V2), in release
   order. Stored in the conversion's dtype like the text matmuls (the release's are all bf16)."""
-  from k3jax.vision import names as vnames
+  from k3jax.convert import vision_names as vnames
   kinds = {"linear": "linear", "qkv": "linear", "wo": "linear", "conv": "patch_conv",
            "copy": "copy"}
   out = []

@@ -211,7 +211,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   the same source and settings skips the leaves it completed. A data error (ValueError)
   removes it: nothing is left behind.
   """
-  from k3jax.train.checkpoint import config_to_dict
+  from k3jax.config import config_to_dict
   src = pathlib.Path(src)
   if only not in ONLY:
     raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
@@ -399,7 +399,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
   if loaded is None and src is not None and (src / cv.CONFIG_FILE).exists():
     return cv.export_vision(src, dst, dtype=dtype, progress=progress)
   if loaded is None:
-    from k3jax.train.checkpoint import load_pretrained
+    from k3jax.convert.checkpoint import load_pretrained
     loaded = load_pretrained(src)
   config, variables = loaded
   if only == "vision":

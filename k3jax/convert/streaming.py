@@ -458,7 +458,7 @@ def save(stage: Stage, config, written: list[N.Leaf], dtype: np.dtype, n_parts: 
          in_memory: dict, meta: dict, dst: pathlib.Path) -> None:
   """Save the checkpoint: written leaves (placeholders) + `in_memory` ({collection: tree}
   merged in), `conversion.json` = `meta`; renamed to `dst`; the staging directory removed."""
-  from k3jax.train.checkpoint import save_pretrained
+  from k3jax.convert.checkpoint import save_pretrained
   recover_parts(stage)
   variables: dict = {"params": {}, "balance": {}}
   for leaf in written:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from k3jax.layers import backend
-from k3jax.layers.cache import Feed, gather_time
+from k3jax.layers.feed import Feed, gather_time
 from k3jax.layers.linear import linear, param
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.kda import kda_gate, kda_step

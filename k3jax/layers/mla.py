@@ -22,7 +22,7 @@ from flax import struct
 
 from k3jax.config import dtype_of
 from k3jax.layers import backend
-from k3jax.layers.cache import Feed, write_slots
+from k3jax.layers.feed import Feed, write_slots
 from k3jax.layers.linear import effective_kernel, linear
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.mla import mla_absorbed_attention

@@ -34,13 +34,17 @@ Every logit of head h, q_n·k_n + q_r·k_r, is then multiplied by exactly γ, so
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 import optax
 
+from k3jax.config import ModelConfig, dtype_of
+from k3jax.train import balance as qb
+from k3jax.train.run import RunConfig
+from k3jax.train.schedule import warmup_cosine
 from k3jax.tree_paths import path_str
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -305,3 +309,20 @@ def qk_clip(params: dict, max_logits: dict[str, jax.Array], tau: float, nope: in
     return {k: visit(v, f"{prefix}/{k}" if prefix else k) for k, v in tree.items()}
 
   return visit(params, "")
+
+
+# ---------------------------------------------------------------------- the run's optimizer
+def optimizer(run: RunConfig, config: ModelConfig
+              ) -> tuple[optax.GradientTransformationExtraArgs, Callable]:
+  """(tx, schedule) of pre-training and full fine-tuning: warmup-cosine, Per-Head Muon / AdamW
+  over {"params", "balance"}, Quantile Balancing (or the run's other method) of the biases."""
+  o = run.optim
+  schedule = warmup_cosine(o.lr, run.train.steps, o.warmup_frac, o.final_lr_frac)
+  balance_tx = qb.quantile_balancing(run.balance.method, k=config.experts_per_token,
+                                     value_range=config.qb_range, gamma=run.balance.gamma)
+  tx = make_optimizer(schedule, weight_decay=o.weight_decay, momentum=o.momentum,
+                      adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
+                      clip_norm=o.clip_norm, mu_dtype=dtype_of(o.mu_dtype) if o.mu_dtype else None,
+                      offload_momentum=o.offload_momentum,
+                      freeze_experts=run.train.freeze_experts)
+  return tx, schedule

@@ -1,12 +1,13 @@
-"""The train step of a run config, on one device or a mesh, and the training state's shardings.
+"""The train step jitted on one device or a mesh, and the training state's shardings.
 
-`build_step(cfg, config, mesh)` is the one place a run config (configs/*.py) becomes the
-optimizer, its schedule and the jitted train and eval steps; the trainer and
-experiments/bench_sharding.py both build their step here. With a mesh the train step is a
-`ShardedStep`: jitted with the state's shardings (params and router bias from the logical-axis
-table, optimizer state like the params it mirrors, the step counter replicated; state donated),
-called under `jax.set_mesh(mesh)` so the layers take the expert-/context-parallel paths while it
-traces, and its gradients pinned to the params' shardings before the optimizer.
+`jit_step(loss, tx, trainable, config, mesh)` is the one place a step becomes a compiled
+callable, for every kind of training (pre-training here, LoRA, RL and the EAGLE-3 draft in
+k3jax/posttrain). With a mesh it is a `ShardedStep`: jitted with the state's shardings (the
+variables from the logical-axis table, the optimizer state like the variables it mirrors, the
+step counter replicated; state donated), called under `jax.set_mesh(mesh)` so the layers take
+the expert-/context-parallel paths while it traces, and its gradients pinned to the trainable
+variables' shardings before the optimizer. `build_step(run, config, mesh)` is pre-training's
+(the trainer and experiments/bench_sharding.py both build their step there).
 
 Nothing here names a mesh axis (k3jax/sharding.py does) or keeps a mesh beyond the objects it
 returns.
@@ -15,22 +16,25 @@ returns.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax import sharding
-from k3jax.config import ModelConfig, dtype_of
-from k3jax.train import balance as qb
-from k3jax.train.optim import MuonState, make_optimizer
-from k3jax.train.schedule import warmup_cosine
-from k3jax.train.step import TrainState, make_eval_step, make_train_step
+from k3jax.config import ModelConfig
+from k3jax.model import abstract_variables
+from k3jax.train.optim import MuonState, optimizer
+from k3jax.train.run import RunConfig
+from k3jax.train.state import BALANCE, Trainable, TrainState, abstract_state
+from k3jax.train.step import Loss, lm_loss, make_eval_step, make_step
 from k3jax.tree_paths import key_names
+
+log = logging.getLogger("k3jax.train")
 
 
 # ------------------------------------------------------------------ shardings of the state
@@ -74,40 +78,19 @@ def opt_state_shardings(mesh: Mesh | jax.sharding.AbstractMesh, abstract_opt_sta
 
 
 def train_state_shardings(mesh: Mesh | jax.sharding.AbstractMesh, state: TrainState,
-                          logical_variables: Any,
+                          boxed: Any, trainable: Trainable,
                           rules: Sequence[tuple[str, Any]] | None = None,
                           offload_momentum: bool = False) -> TrainState:
-  """Shardings of a `TrainState` (a tree like it): params/balance from their logical axes,
-  optimizer state like the params it mirrors (Muon's momentum in host memory with
-  `offload_momentum`), the step replicated. `state` may be abstract (`abstract_state`);
-  `logical_variables`: the *boxed* variables (`logical_variables(config)`)."""
-  sh = sharding.param_shardings(mesh, {c: logical_variables[c] for c in ("params", "balance")
-                                       if c in logical_variables}, rules)
-  var_sh = {"params": sh["params"], "balance": sh.get("balance", {})}
-  variables = {"params": state.params, "balance": state.balance}
-  return state.replace(
-      step=NamedSharding(mesh, P()), params=var_sh["params"], balance=var_sh["balance"],
-      opt_state=opt_state_shardings(mesh, state.opt_state, variables, var_sh,
-                                    offload_momentum))
-
-
-def logical_variables(config: ModelConfig) -> dict:
-  """The model's variables as `jax.ShapeDtypeStruct`s, boxed with their logical axis names
-  (`jax.eval_shape` of the init: nothing allocated)."""
-  from k3jax.model import K3Model  # the model is a sibling package; import late
-  return jax.eval_shape(K3Model(config).init, jax.random.PRNGKey(0),
-                        jnp.zeros((1, 8), jnp.int32))
-
-
-def abstract_state(config: ModelConfig, tx: optax.GradientTransformation,
-                   boxed: Any = None) -> TrainState:
-  """The `TrainState` of `config` and `tx` as `jax.ShapeDtypeStruct`s (nothing allocated).
-  `boxed`: `logical_variables(config)` if already at hand."""
-  boxed = logical_variables(config) if boxed is None else boxed
-  variables = nn.unbox({c: boxed.get(c, {}) for c in ("params", "balance")})
-  return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=variables["params"],
-                    balance=variables["balance"],
-                    opt_state=jax.eval_shape(tx.init, variables))
+  """Shardings of a `TrainState` (a tree like it): its variables from their logical axes
+  (`boxed`: `abstract_variables(config)`, split like the state by `trainable`), the optimizer
+  state like the variables it mirrors (Muon's momentum in host memory with
+  `offload_momentum`), the step replicated. `state` may be abstract (`abstract_state`)."""
+  collections = {c: boxed[c] for c in boxed if c != "stats"}
+  params, frozen, balance = trainable.split(sharding.param_shardings(mesh, collections, rules))
+  sh = state.replace(step=NamedSharding(mesh, P()), params=params, frozen=frozen,
+                     balance=balance, opt_state=None)
+  return sh.replace(opt_state=opt_state_shardings(mesh, state.opt_state, state.optimized,
+                                                  sh.optimized, offload_momentum))
 
 
 # ------------------------------------------------------------------ the jitted step
@@ -195,100 +178,88 @@ def _put_format(x: jax.Array, fmt: Format, donate: bool) -> jax.Array:
 
 
 class Step(NamedTuple):
-  """What `build_step` returns."""
+  """What a kind of training's step builder returns."""
   tx: optax.GradientTransformation
   schedule: Callable                 # step → learning rate
   train: Callable                    # (state, batch) → (state, metrics); state donated
-  eval: Callable                     # (variables, batch) → {"ce_sum", "tokens", "byte_tokens"}
+  eval: Callable | None              # (variables, batch) → {"ce_sum", "tokens", "byte_tokens"}
 
 
-def optimizer(cfg, config: ModelConfig) -> tuple[optax.GradientTransformation, Callable]:
-  """(tx, schedule) of the run config: warmup-cosine, Per-Head Muon / AdamW, Quantile Balancing."""
-  o = cfg.optim
-  schedule = warmup_cosine(o.lr, cfg.train.steps, o.warmup_frac, o.get("final_lr_frac", 0.1))
-  balance_tx = qb.quantile_balancing(cfg.balance.method, k=config.experts_per_token,
-                                     value_range=config.qb_range, gamma=cfg.balance.gamma)
-  tx = make_optimizer(schedule, weight_decay=o.weight_decay, momentum=o.momentum,
-                      adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
-                      clip_norm=o.get("clip_norm", 0.0),
-                      mu_dtype=dtype_of(o.mu_dtype) if o.get("mu_dtype") else None,
-                      offload_momentum=bool(o.get("offload_momentum", False)),
-                      freeze_experts=bool(cfg.train.get("freeze_experts", False)))
-  return tx, schedule
+def jit_step(loss: Loss, tx: optax.GradientTransformationExtraArgs, trainable: Trainable,
+             config: ModelConfig, mesh: Mesh | None = None, *, grad_accum: int = 1,
+             qk_clip: tuple[float | None, int] | None = None, schedule: Callable | None = None,
+             rules: Sequence[tuple[str, Any]] | None = None, boxed: Any = None,
+             offload_momentum: bool = False, donate: bool = True,
+             compiler_layouts: Sequence[str] = ()) -> Callable:
+  """`make_step(loss, tx, …)` jitted: on one device (`mesh` None; the state donated) or as a
+  `ShardedStep` for `mesh`, with the state's shardings derived here from abstract values (the
+  variables' logical axes by `rules`, default `sharding.axis_rules()`; `boxed` defaults to
+  `abstract_variables(config)`), so nothing is allocated until the step is called.
+  `offload_momentum` (Per-Head Muon's momentum in host memory) needs a mesh: host memory needs
+  explicit shardings (a one-device mesh will do)."""
+  if mesh is None:
+    if offload_momentum:
+      raise ValueError("config.optim.offload_momentum: host memory needs a jit with explicit "
+                       "shardings: run experiments/train.py (it builds a mesh, a one-device "
+                       "one if need be) or pass the step builder a mesh")
+    fn = make_step(loss, tx, grad_accum=grad_accum, qk_clip=qk_clip, schedule=schedule)
+    return jax.jit(fn, donate_argnums=0 if donate else ())
+  boxed = abstract_variables(config) if boxed is None else boxed
+  state = abstract_state(nn.unbox({c: v for c, v in boxed.items() if c != "stats"}),
+                         trainable, tx)
+  state_sh = train_state_shardings(mesh, state, boxed, trainable,
+                                   sharding.axis_rules() if rules is None else rules,
+                                   offload_momentum)
+  fn = make_step(loss, tx, grad_accum=grad_accum, qk_clip=qk_clip, schedule=schedule,
+                 grad_shardings=state_sh.params)
+  return ShardedStep(fn, mesh, state_sh, state, donate, compiler_layouts)
 
 
-def run_rules(cfg) -> tuple[tuple[str, Any], ...]:
-  """The logical-axis rules of the run config (`mesh.fsdp_over_data` widens parameter
-  sharding over `data`)."""
-  mesh_cfg = cfg.get("mesh")
-  return sharding.axis_rules(
-      fsdp_over_data=bool(mesh_cfg.get("fsdp_over_data", False)) if mesh_cfg is not None
-      else False)
+# ------------------------------------------------------------------ the run config's step
+PRETRAIN = Trainable(("params",), (BALANCE,))   # every weight, and the router biases by QB
 
 
-def run_mesh(cfg) -> Mesh | None:
-  """The mesh `cfg.mesh` asks for (`sharding.uses_mesh`), or None when the run is
+def run_rules(run: RunConfig) -> tuple[tuple[str, Any], ...]:
+  """The logical-axis rules of the run (`mesh.fsdp_over_data` widens parameter sharding over
+  `data`)."""
+  return sharding.axis_rules(fsdp_over_data=run.mesh.fsdp_over_data)
+
+
+def run_mesh(run: RunConfig) -> Mesh | None:
+  """The mesh `run.mesh` asks for (`sharding.uses_mesh`), or None when the run is
   single-device (a one-device mesh when `optim.offload_momentum` asks for host memory: that
   needs explicit shardings). Used by experiments/train.py and experiments/rl.py."""
-  import logging
-  mesh_cfg = cfg.get("mesh")
-  offload = bool(cfg.optim.get("offload_momentum", False))
-  if not sharding.uses_mesh(mesh_cfg, cfg.train.get("data_parallel", False)) and not offload:
+  if not sharding.uses_mesh(run.mesh, run.train.data_parallel) and not (
+      run.optim.offload_momentum):
     return None
-  mesh = sharding.make_mesh(mesh_cfg)
-  logging.getLogger("k3jax.train").info("mesh %s", dict(mesh.shape))
+  mesh = sharding.make_mesh(run.mesh)
+  log.info("mesh %s", dict(mesh.shape))
   return mesh
 
 
-def mesh_rules(cfg, config: ModelConfig, mesh: Mesh, rules=None) -> tuple:
-  """Check the run's micro-batch and sequence length against `mesh`; the sharding rules
-  (`rules`, default `run_rules(cfg)`). Shared by `build_step` and the LoRA step
-  (k3jax/train/lora.py)."""
-  # Each micro-batch is split over the batch axes (the trainer's validate() names a
-  # grad_accum that does not divide the batch).
-  accum = cfg.train.get("grad_accum", 1)
-  micro = cfg.train.batch_size // accum if cfg.train.batch_size % accum == 0 else None
-  sharding.check_shapes(config, mesh, batch_size=micro or cfg.train.batch_size,
-                        seq_len=cfg.train.seq_len)
-  return run_rules(cfg) if rules is None else tuple(rules)
+def check_mesh(run: RunConfig, config: ModelConfig, mesh: Mesh) -> None:
+  """The run's micro-batch and sequence length against `mesh` (ValueError naming them)."""
+  # Each micro-batch is split over the batch axes.
+  sharding.check_shapes(config, mesh, batch_size=run.train.batch_size // run.train.grad_accum,
+                        seq_len=run.train.seq_len)
 
 
-def build_step(cfg, config: ModelConfig, mesh: Mesh | None = None, *,
+def build_step(run: RunConfig, config: ModelConfig, mesh: Mesh | None = None, *,
                rules: Sequence[tuple[str, Any]] | None = None, boxed: Any = None,
                donate: bool = True) -> Step:
-  """The optimizer, schedule and jitted train / eval steps of run config `cfg` for `config`.
-
-  `mesh` None: the train step is `jax.jit` on one device (state donated). A `Mesh`: a
-  `ShardedStep` (module doc), after `sharding.check_shapes` of the run's micro-batch and
-  sequence length against it; `rules` default to `run_rules(cfg)`, `boxed` to
-  `logical_variables(config)`. Shardings are derived here, from abstract values, so nothing
-  is allocated until the step is called. `optim.offload_momentum` needs a mesh (host memory
-  needs explicit shardings; a one-device mesh will do).
-  """
-  o = cfg.optim
-  offload = bool(o.get("offload_momentum", False))
-  if offload and mesh is None:
-    raise ValueError("config.optim.offload_momentum: host memory needs a jit with explicit "
-                     "shardings: run experiments/train.py (it builds a mesh, a one-device one "
-                     "if need be) or pass build_step / train a mesh")
-  accum = cfg.train.get("grad_accum", 1)
-  tx, schedule = optimizer(cfg, config)
-  eval_fn = jax.jit(make_eval_step(config))
-  if mesh is None:
-    step_fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight,
-                              qk_clip_tau=o.qk_clip_tau, schedule=schedule, grad_accum=accum)
-    return Step(tx, schedule, jax.jit(step_fn, donate_argnums=0 if donate else ()), eval_fn)
-
-  rules = mesh_rules(cfg, config, mesh, rules)
-  boxed = logical_variables(config) if boxed is None else boxed
-  state = abstract_state(config, tx, boxed)
-  state_sh = train_state_shardings(mesh, state, boxed, rules, offload)
-  step_fn = make_train_step(config, tx, mtp_weight=cfg.train.mtp_weight,
-                            qk_clip_tau=o.qk_clip_tau, schedule=schedule, grad_accum=accum,
-                            grad_shardings=state_sh.params)
-  return Step(tx, schedule, ShardedStep(step_fn, mesh, state_sh, state, donate), eval_fn)
+  """Pre-training's step (text, multimodal, SFT): the optimizer and schedule of `run`
+  (`optimizer`), the language-model loss, every weight and the router biases trained, QK-Clip;
+  jitted for `mesh` when given (after `check_mesh`; `rules` default to `run_rules(run)`)."""
+  tx, schedule = optimizer(run, config)
+  if mesh is not None:
+    check_mesh(run, config, mesh)
+  train = jit_step(lm_loss(config, run.train.mtp_weight), tx, PRETRAIN, config, mesh,
+                   grad_accum=run.train.grad_accum,
+                   qk_clip=(run.optim.qk_clip_tau, config.qk_nope_head_dim), schedule=schedule,
+                   rules=run_rules(run) if rules is None else rules, boxed=boxed,
+                   offload_momentum=run.optim.offload_momentum, donate=donate)
+  return Step(tx, schedule, train, jax.jit(make_eval_step(config)))
 
 
-__all__ = ["opt_state_shardings", "train_state_shardings", "logical_variables",
-           "abstract_state", "ShardedStep", "Step", "optimizer", "run_rules", "run_mesh", "mesh_rules",
-           "build_step"]
+__all__ = ["opt_state_shardings", "train_state_shardings", "ShardedStep", "Step", "jit_step",
+           "PRETRAIN", "run_rules", "run_mesh", "check_mesh", "build_step"]

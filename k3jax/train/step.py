@@ -1,79 +1,149 @@
-"""The train step: a pure function of (state, batch) → (state, metrics), ready for jax.jit.
+"""The one train step: `make_step(loss, tx)` → step(state, batch) → (state, metrics).
 
-loss = CE(logits, targets; loss_mask) + mtp_weight · CE(mtp_logits, mtp_targets; mtp_mask)
-(token means over the whole batch, fp32). One step: forward with the current router bias
-(sowing "stats") → grads → optimizer update of {"params", "balance"} (Muon/AdamW for params;
-Quantile Balancing sets the bias from this forward's stats, for the next step) → QK-Clip of
-the MLA heads whose max logit exceeded τ. With `grad_accum=G` the batch is split into G
-micro-batches along its batch axis, run one after another (`lax.scan`: activations of one
-micro-batch at a time), their gradients and statistics summed (`max_logit`: max) and the
-optimizer applied once — the same update as the whole batch at once (each micro-batch's CE is
-divided by the whole batch's token count). Shardings are the caller's business
-(k3jax/train/sharded.py jits the step for a mesh and hands it the params' shardings, which the
-gradients are pinned to); nothing here names a mesh axis.
+A kind of training brings its `Loss`; the step is the same for all of them:
 
-Media: a batch may carry `media` (a `k3jax.vision.media.Media` of B streams, stream b holding
-the images of row b: k3jax/train/shapes.py); the model puts the projected vision tokens at the
-placeholders, and the vision tower and projector train with the language model in the same
-optimizer. Micro-batches split the streams with the rows.
+  1. value and gradient of the loss with respect to `state.params` (the trainable variables;
+     `state.frozen` and `state.balance` are constants), over `grad_accum` micro-batches: the
+     batch is split along its batch axis and run one micro-batch after another (`lax.scan`:
+     activations of one micro-batch at a time); losses, metrics and gradients are summed and
+     router statistics merged (counts add, max logits take the max) — the same update as the
+     whole batch at once, because the loss divides by the whole batch's `totals`;
+  2. the gradients pinned to the parameters' shardings (`grad_shardings`, on a mesh);
+  3. one optimizer update of {**params, "balance": balance}: Per-Head Muon / AdamW for the
+     params, and Quantile Balancing sets the router biases from this forward's statistics
+     (the `stats=` extra argument), when the run trains them;
+  4. QK-Clip (`qk_clip=(τ, nope dim)`) of the MLA heads whose max logit exceeded τ, when the
+     trainable variables hold the model's params.
+
+`lm_loss(config, mtp_weight)` is the language-model loss of pre-training, multimodal training
+and SFT: CE(logits, targets; loss_mask) + mtp_weight · CE(mtp_logits, mtp_targets; mtp_mask),
+token means over the whole batch in fp32; a batch may carry `media` (the image streams of its
+rows: k3jax/data/captions.py), which the model places at the placeholders. Shardings are the
+caller's business (k3jax/train/sharded.py); nothing here names a mesh axis.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from k3jax import sharding
 from k3jax.config import ModelConfig
+from k3jax.model import K3Model
 from k3jax.train.balance import flat_stats
-from k3jax.train.optim import integer_grads_to_zeros, qk_clip
+from k3jax.train import optim
+from k3jax.train.optim import integer_grads_to_zeros
+from k3jax.train.state import BALANCE, TrainState
 
 LOGGED_STATS = ("load", "max_logit", "dropped")   # small stats returned for metrics
 
 
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array        # [] int32: optimizer steps taken
-  params: Any            # masters in config.param_dtype (fp32 by default), unboxed
-  balance: Any           # router biases ("balance" collection)
-  opt_state: Any
+@dataclasses.dataclass(frozen=True)
+class Loss:
+  """What a kind of training minimises.
 
-  @property
-  def variables(self) -> dict:
-    return {"params": self.params, "balance": self.balance}
-
-
-def _model(config: ModelConfig):
-  from k3jax.model import K3Model  # the model is a sibling package; import late
-  return K3Model(config)
+  fn(variables, batch, totals) → (loss, aux): `variables` are all the model's variables,
+  `totals` what `totals(batch)` gave for the whole batch (a micro-batch's loss divides by the
+  whole batch's totals, so micro-batch losses add up to the batch's). aux = {"metrics":
+  {name: scalar}, "stats": flat router statistics (`flat_stats`), optionally "rows": {name:
+  [micro-batch rows, …]} per-row outputs}. Metrics are summed over micro-batches, rows
+  concatenated.
+  """
+  fn: Callable[[dict, dict, Any], tuple[jax.Array, dict]]
+  totals: Callable[[dict], Any] = lambda batch: None
 
 
-_INIT: dict = {}
+def _merge_stats(a: dict, b: dict) -> dict:
+  """Statistics of two micro-batches → those of both: counts add, max logits take the max."""
+  return {key: jnp.maximum(a[key], b[key]) if key.endswith("/max_logit") else a[key] + b[key]
+          for key in a}
 
 
-def init_variables(config: ModelConfig, rng: jax.Array, seq_len: int = 8) -> dict:
-  """Model variables {"params", "balance"} (unboxed), initialised under jit (the jitted init
-  is cached per config, so a resumed run in the same process does not compile it again)."""
-  if (config, seq_len) not in _INIT:
-    model = _model(config)
-    tokens = jnp.zeros((1, seq_len), jnp.int32)
-    _INIT[config, seq_len] = jax.jit(lambda r: nn.unbox(model.init(r, tokens)))
-  variables = _INIT[config, seq_len](rng)
-  return {"params": variables["params"], "balance": variables.get("balance", {})}
+def _add_aux(a: dict, b: dict) -> dict:
+  out = {"metrics": jax.tree.map(jnp.add, a["metrics"], b["metrics"]),
+         "stats": _merge_stats(a["stats"], b["stats"])}
+  if "rows" in a:
+    out["rows"] = jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a["rows"], b["rows"])
+  return out
 
 
-def create_state(config: ModelConfig, rng: jax.Array, tx: optax.GradientTransformation,
-                 seq_len: int = 8) -> TrainState:
-  v = init_variables(config, rng, seq_len)
-  return TrainState(step=jnp.zeros([], jnp.int32), params=v["params"], balance=v["balance"],
-                    opt_state=tx.init(v))
+def loss_and_grads(loss: Loss, state: TrainState, batch: dict, grad_accum: int = 1):
+  """((loss, aux), grads) of the whole batch with respect to `state.params`, over
+  `grad_accum` micro-batches (module doc). Integer (packed MXFP4) leaves get uint8 zeros."""
+  def value_and_grad(params, mb, totals):
+    # allow_int: packed MXFP4 experts are uint8 params (frozen by the optimizer); their
+    # float0 gradients become zeros so that sums and norms work.
+    out, grads = jax.value_and_grad(
+        lambda p: loss.fn(state.replace(params=p).variables, mb, totals), has_aux=True,
+        allow_int=True)(params)
+    return out, integer_grads_to_zeros(grads)
+
+  totals = loss.totals(batch)
+  if grad_accum == 1:
+    return value_and_grad(state.params, batch, totals)
+  b = jax.tree.leaves(batch)[0].shape[0]
+  if b % grad_accum:
+    raise ValueError(f"grad_accum={grad_accum} must divide the batch size {b}")
+  micro = jax.tree.map(lambda x: x.reshape(grad_accum, b // grad_accum, *x.shape[1:]), batch)
+  first = jax.tree.map(lambda x: x[0], micro)
+  # The first micro-batch seeds the accumulators (their structure comes from the model).
+  out0, g0 = value_and_grad(state.params, first, totals)
+
+  def body(carry, mb):
+    (l1, a1), g1 = carry
+    (l2, a2), g2 = value_and_grad(state.params, mb, totals)
+    return ((l1 + l2, _add_aux(a1, a2)), jax.tree.map(jnp.add, g1, g2)), None
+
+  rest = jax.tree.map(lambda x: x[1:], micro)
+  (out, grads), _ = jax.lax.scan(body, (out0, g0), rest)
+  return out, grads
 
 
+def make_step(loss: Loss, tx: optax.GradientTransformationExtraArgs, *, grad_accum: int = 1,
+              qk_clip: tuple[float | None, int] | None = None,
+              schedule: Callable | None = None, grad_shardings: Any = None):
+  """step(state, batch) → (state, metrics); pure, jit it (donate the state). Module doc.
+
+  metrics: "loss", "grad_norm", the loss's own metrics, "stats" (the router statistics named
+  in LOGGED_STATS), "rows" when the loss has per-row outputs, "lr" with a `schedule`.
+  `qk_clip`: (τ or None, the MLA heads' nope width) — applied to `params["params"]`.
+  `grad_shardings`: the NamedShardings of `state.params` the gradients are pinned to, or None.
+  """
+  if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+    raise ValueError(f"grad_accum: expected a positive int, found {grad_accum!r}")
+
+  def step(state: TrainState, batch: dict):
+    (value, aux), grads = loss_and_grads(loss, state, batch, grad_accum)
+    grads = sharding.constrain_like_params(grads, grad_shardings)
+    stats = aux["stats"]
+    optimized = state.optimized
+    g = {**grads, BALANCE: jax.tree.map(jnp.zeros_like, state.balance)} if state.balance \
+        else grads
+    updates, opt_state = tx.update(g, state.opt_state, optimized, stats=stats)
+    new = optax.apply_updates(optimized, updates)
+    balance = new.pop(BALANCE, {}) if state.balance else {}
+    if qk_clip is not None and "params" in new:
+      tau, nope = qk_clip
+      max_logits = {k.rsplit("/", 1)[0]: v for k, v in stats.items()
+                    if k.endswith("/max_logit")}
+      new["params"] = optim.qk_clip(new["params"], max_logits, tau, nope)
+    metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), **aux["metrics"],
+               "stats": {k: v for k, v in stats.items() if k.rsplit("/", 1)[1] in LOGGED_STATS}}
+    if "rows" in aux:
+      metrics["rows"] = aux["rows"]
+    if schedule is not None:
+      metrics["lr"] = schedule(state.step)
+    return state.replace(step=state.step + 1, params=new, balance=balance,
+                         opt_state=opt_state), metrics
+
+  return step
+
+
+# ---------------------------------------------------------------------- the language-model loss
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   """(sum of masked token CE in nats, number of masked tokens); fp32."""
   logits = logits.astype(jnp.float32)
@@ -83,35 +153,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
 
-def loss_fn(params, balance, batch, config: ModelConfig, mtp_weight: float, denominators=None,
-            lora=None):
-  """Scalar loss and aux (ce, mtp_ce, flat stats) for one batch (module doc).
-
-  `denominators` = (tokens, mtp tokens) to divide the CE sums by (default: this batch's own
-  masked token counts; a micro-batch passes the whole batch's). `lora`: the adapters'
-  collection of a LoRA model (k3jax/train/lora.py), or None."""
-  use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
-  variables = {"params": params, "balance": balance}
-  if lora is not None:
-    variables["lora"] = lora
-  out, mut = _model(config).apply(
-      variables, batch["inputs"],
-      segment_ids=batch["segment_ids"], return_mtp=use_mtp, mutable=["stats"],
-      media=batch.get("media"))
-  logits, mtp_logits = out if use_mtp else (out, None)
-  n_all, n2_all = denominators if denominators is not None else _token_counts(batch, use_mtp)
-  s, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-  ce = s / n_all
-  loss, mtp_ce = ce, jnp.zeros([], jnp.float32)
-  if use_mtp:
-    t = mtp_logits.shape[1]
-    s2, _ = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], batch["mtp_mask"][:, :t])
-    mtp_ce = s2 / n2_all
-    loss = ce + mtp_weight * mtp_ce
-  return loss, (ce, mtp_ce, flat_stats(mut.get("stats", {})))
-
-
-def _token_counts(batch, use_mtp: bool):
+def token_counts(batch: dict, use_mtp: bool):
   """(max(1, Σ loss_mask), max(1, Σ mtp_mask over the MTP positions)) in fp32."""
   n = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
   if not use_mtp:
@@ -121,95 +163,43 @@ def _token_counts(batch, use_mtp: bool):
   return n, jnp.maximum(jnp.sum(batch["mtp_mask"][:, :t].astype(jnp.float32)), 1.0)
 
 
-def _merge_stats(a: dict, b: dict) -> dict:
-  """Statistics of two micro-batches → those of both: counts add, max logits take the max."""
-  return {key: jnp.maximum(a[key], b[key]) if key.endswith("/max_logit") else a[key] + b[key]
-          for key in a}
-
-
-def accumulated_grads(params, balance, batch, config: ModelConfig, mtp_weight: float,
-                      grad_accum: int, lora=None):
-  """((loss, (ce, mtp_ce, stats)), grads) of the whole batch, computed over `grad_accum`
-  micro-batches in a `lax.scan` (module doc). `grad_accum=1` is one plain value_and_grad.
-  With `lora` (a LoRA model's adapters) the gradients are the adapters' alone: the base
-  params are constants of the loss."""
-  if lora is None:
-    # allow_int: packed MXFP4 experts are uint8 params (frozen); their float0 gradients become
-    # zeros so that sums and norms work (the optimizer's "frozen" label ignores them).
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True, allow_int=True)
-  else:
-    value_and_grad = jax.value_and_grad(
-        lambda lo, p, *rest: loss_fn(p, *rest, lora=lo), has_aux=True)
-    params = (lora, params)     # differentiated argument first; unpacked by grad_fn
-
-  def grad_fn(p, *args):
-    out, grads = value_and_grad(*(p if lora is not None else (p,)), *args)
-    return out, integer_grads_to_zeros(grads)
-
+def lm_loss(config: ModelConfig, mtp_weight: float = 0.3) -> Loss:
+  """The language-model loss (module doc); metrics "ce" and "mtp_ce" (nats/token)."""
   use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
-  counts = _token_counts(batch, use_mtp)
-  if grad_accum == 1:
-    return grad_fn(params, balance, batch, config, mtp_weight, counts)
-  b = batch["inputs"].shape[0]
-  if b % grad_accum:
-    raise ValueError(f"grad_accum={grad_accum} must divide the batch size {b}")
-  micro = jax.tree.map(lambda x: x.reshape(grad_accum, b // grad_accum, *x.shape[1:]), batch)
-  first = jax.tree.map(lambda x: x[0], micro)
-  # The first micro-batch seeds the accumulators (their structure comes from the model).
-  out0, g0 = grad_fn(params, balance, first, config, mtp_weight, counts)
+  model = K3Model(config)
 
-  def body(carry, mb):
-    (loss, (ce, mtp_ce, stats)), grads = carry
-    (l2, (c2, m2, s2)), g2 = grad_fn(params, balance, mb, config, mtp_weight, counts)
-    return ((loss + l2, (ce + c2, mtp_ce + m2, _merge_stats(stats, s2))),
-            jax.tree.map(jnp.add, grads, g2)), None
+  def fn(variables, batch, totals):
+    out, mut = model.apply(variables, batch["inputs"], segment_ids=batch["segment_ids"],
+                           return_mtp=use_mtp, mutable=["stats"], media=batch.get("media"))
+    logits, mtp_logits = out if use_mtp else (out, None)
+    n_all, n2_all = totals
+    s, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    ce = s / n_all
+    value, mtp_ce = ce, jnp.zeros([], jnp.float32)
+    if use_mtp:
+      t = mtp_logits.shape[1]
+      s2, _ = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], batch["mtp_mask"][:, :t])
+      mtp_ce = s2 / n2_all
+      value = ce + mtp_weight * mtp_ce
+    return value, {"metrics": {"ce": ce, "mtp_ce": mtp_ce},
+                   "stats": flat_stats(mut.get("stats", {}))}
 
-  rest = jax.tree.map(lambda x: x[1:], micro)
-  (out, grads), _ = jax.lax.scan(body, (out0, g0), rest)
-  return out, grads
-
-
-def make_train_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs, *,
-                    mtp_weight: float = 0.3, qk_clip_tau: float | None = 100.0,
-                    schedule: Callable | None = None, grad_accum: int = 1,
-                    grad_shardings: Any = None):
-  """train_step(state, batch) → (state, metrics); pure, jit it (donate the state).
-  `grad_accum` micro-batches per optimizer step (module doc; must divide the batch size).
-  `grad_shardings`: the params' NamedShardings (a tree like `state.params`) the gradients are
-  pinned to before the optimizer (`sharding.constrain_like_params`), or None."""
-  if not isinstance(grad_accum, int) or grad_accum < 1:
-    raise ValueError(f"grad_accum: expected a positive int, found {grad_accum!r}")
-
-  def train_step(state: TrainState, batch: dict):
-    (loss, (ce, mtp_ce, stats)), grads = accumulated_grads(
-        state.params, state.balance, batch, config, mtp_weight, grad_accum)
-    grads = sharding.constrain_like_params(grads, grad_shardings)
-    variables = state.variables
-    zero_b = jax.tree.map(jnp.zeros_like, state.balance)
-    updates, opt_state = tx.update({"params": grads, "balance": zero_b}, state.opt_state,
-                                   variables, stats=stats)
-    new = optax.apply_updates(variables, updates)
-    max_logits = {k.rsplit("/", 1)[0]: v for k, v in stats.items() if k.endswith("/max_logit")}
-    params = qk_clip(new["params"], max_logits, qk_clip_tau, config.qk_nope_head_dim)
-    metrics = {"loss": loss, "ce": ce, "mtp_ce": mtp_ce, "grad_norm": optax.tree.norm(grads),
-               "stats": {k: v for k, v in stats.items() if k.rsplit("/", 1)[1] in LOGGED_STATS}}
-    if schedule is not None:
-      metrics["lr"] = schedule(state.step)
-    return TrainState(step=state.step + 1, params=params, balance=new["balance"],
-                      opt_state=opt_state), metrics
-
-  return train_step
+  return Loss(fn, lambda batch: token_counts(batch, use_mtp))
 
 
 def make_eval_step(config: ModelConfig):
   """eval_step(variables, batch) → {"ce_sum", "tokens", "byte_tokens"} (sums, fp32)."""
+  model = K3Model(config)
 
   def eval_step(variables, batch):
-    logits, _ = _model(config).apply(variables, batch["inputs"],
-                                     segment_ids=batch["segment_ids"], mutable=["stats"],
-                                     media=batch.get("media"))
+    logits, _ = model.apply(variables, batch["inputs"], segment_ids=batch["segment_ids"],
+                            mutable=["stats"], media=batch.get("media"))
     s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
     byte = jnp.sum(batch["loss_mask"] * (batch["targets"] < 256))
     return {"ce_sum": s, "tokens": n, "byte_tokens": byte}
 
   return eval_step
+
+
+__all__ = ["Loss", "LOGGED_STATS", "loss_and_grads", "make_step", "cross_entropy",
+           "token_counts", "lm_loss", "make_eval_step"]

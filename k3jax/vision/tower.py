@@ -1,6 +1,6 @@
 """MoonViT tower and projector as thin Flax modules over `k3jax.vision.ops` (spec §11).
 
-Parameter paths mirror the released checkpoint's tensor names (`k3jax.vision.names` is the
+Parameter paths mirror the released checkpoint's tensor names (`k3jax.convert.vision_names` is the
 map): `vision_tower/patch_embed/proj`, `vision_tower/patch_embed/pos_emb/weight`,
 `vision_tower/encoder/blocks_N/{norm0,norm1,wqkv,wo,mlp/fc0,mlp/fc1}`,
 `vision_tower/encoder/final_layernorm`, `mm_projector/{pre_norm,proj_0,proj_2,post_norm}`.
@@ -24,7 +24,7 @@ from k3jax.layers.linear import default_kernel_init, param
 from k3jax.layers.norms import rms_norm
 from k3jax.parallel import vision as parallel_vision
 from k3jax.vision import ops
-from k3jax.vision.config import VisionConfig
+from k3jax.config import VisionConfig
 from k3jax.vision.media import dummy_media, media_from_pixels
 
 STAGES = ("encoded", "merged", "projected")

@@ -12,7 +12,7 @@ import pytest
 from experiments import eagle as cli
 from k3jax.config import preset
 from k3jax.model import K3Model
-from k3jax.train.checkpoint import load_pretrained, save_pretrained
+from k3jax.convert.checkpoint import load_pretrained, save_pretrained
 
 
 def test_eagle_experiment(tmp_path):

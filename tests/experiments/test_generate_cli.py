@@ -142,8 +142,8 @@ def test_chat_prompt_stop_token_and_channels(tmp_path, capsys, small_models, mon
   instruct = _run_chat(tmp_path, "instruct", "--chat_mode=instruct")
   assert instruct["prompt_tokens"][-10:] == [261, *b"response", 262]
 
-  from k3jax import generate as G
-  from k3jax.train.data import ByteTokenizer
+  from k3jax.serve import generate as G
+  from k3jax.data.tokenizers import ByteTokenizer
   seen = {}
   reply = ByteTokenizer().encode("hm[close][open]response[sep]5[close]", specials=True).tolist()
 

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 from cli_env import ROOT, cli_env
-from k3jax.train import sft, sft_tasks
+from k3jax.data import sft
+from k3jax.data import sft_tasks
 
 FLAGS = ["--config.model.num_layers=1", "--config.train.steps=2", "--config.train.batch_size=2",
          "--config.train.seq_len=96", "--config.train.log_every=1",

@@ -12,6 +12,7 @@ from absl import flags
 
 from experiments import train as cli
 from k3jax.train import trainer
+from k3jax.train.run import run_config
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,11 +45,11 @@ def test_multimodal_run_resumes_through_the_cli(tmp_path, capsys):
   stopped, whole = str(tmp_path / "stopped"), str(tmp_path / "whole")
   try:
     cfg = _parse(stopped)
-    first = trainer.train(cfg, stopped, until=2)
+    first = trainer.train(run_config(cfg), stopped, until=2)
     assert [r["step"] for r in first] == [1, 2]
     cli.main(["train"])                 # the same command again: resumes at step 2
     assert "step 4: loss" in capsys.readouterr().out
-    ref = trainer.train(_parse(whole), whole)
+    ref = trainer.train(run_config(_parse(whole)), whole)
   finally:
     FLAGS.unparse_flags()
   recs = {r["step"]: r for r in _records(stopped)}
@@ -61,7 +62,7 @@ def test_multimodal_run_resumes_through_the_cli(tmp_path, capsys):
 
   # The vision tower and projector trained with the language model.
   import k3jax
-  from k3jax.train.step import init_variables
+  from k3jax.train.state import init_variables
   config, variables = k3jax.load_pretrained(stopped)
   init = init_variables(config, jax.random.PRNGKey(cfg.seed))
   for path in (("vision_tower", "encoder", "blocks_0", "wqkv", "kernel"),

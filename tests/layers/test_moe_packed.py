@@ -52,9 +52,9 @@ def test_tiny_mxfp4_model_scores_and_greedy_generates_like_the_dequantised_model
   """K3Model with packed experts: prefill logits (max rel ≤ 1e-5, fp32) and greedy
   `generate` (prefill + cached decode) equal the bf16-format model's on the dequantised
   weights."""
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
   from k3jax.model import K3Model
-  from k3jax.sampling import SamplingParams
+  from k3jax.serve.sampling import SamplingParams
   # 5 layers: dense layer 0, then one KDA×3 + MLA group with MoE (compile time).
   cfg = preset("tiny", num_layers=5, expert_format="mxfp4", moe_capacity_factor=None)
   v = nn.unbox(jax.jit(K3Model(cfg).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))

@@ -20,7 +20,8 @@ import pytest
 from k3jax import sharding
 from k3jax.config import preset
 from k3jax.model import K3Model
-from k3jax.train import data as data_lib
+from k3jax.data import corpus as data_lib
+from k3jax.data import tokenizers
 from k3jax.train.step import cross_entropy
 
 B, T = 8, 16
@@ -38,8 +39,8 @@ def _config():
 def _batch():
   rng = np.random.default_rng(0)
   w = rng.integers(0, 256, size=(B, T + 2))
-  w[:, 0] = data_lib.BOS
-  w[np.arange(B), 3 + np.arange(B)] = data_lib.BOS     # a new document at a different place
+  w[:, 0] = tokenizers.BOS
+  w[np.arange(B), 3 + np.arange(B)] = tokenizers.BOS     # a new document at a different place
   return data_lib.pack_windows(w)
 
 

@@ -101,7 +101,7 @@ def test_served_packed_model_is_the_qat_model(tiny_model):
   """Packed MXFP4 experts + the config's MXFP8 inputs, through the serving forward
   (`generate.prefill`, with caches; decode steps run the same forward), give the QAT model's
   logits."""
-  from k3jax import generate as G
+  from k3jax.serve import generate as G
   cfg, v, ((lq, _), _) = tiny_model
   served_cfg = cfg.replace(expert_format="mxfp4")
   served_v = {**v, "params": jax.jit(mx.pack_expert_params)(v["params"])}

@@ -2,7 +2,7 @@
 
 `write_k3_checkpoint` spells every PyTorch name and transpose out explicitly (K3_SPEC.md §9,
 and §11 for a MoonViT-V2 vision tower), without k3jax.convert's tensor map or
-k3jax.vision.names, so the converter is checked against a second reading of the spec rather
+k3jax.convert.vision_names, so the converter is checked against a second reading of the spec rather
 than against itself.
 """
 

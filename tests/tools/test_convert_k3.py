@@ -17,7 +17,7 @@ from k3jax.config import preset
 from k3jax.convert import convert, export
 from k3jax.convert.safetensors_io import Source, write_file
 from k3jax.model import K3Model
-from k3jax.train.checkpoint import load_pretrained
+from k3jax.convert.checkpoint import load_pretrained
 
 QUIET = dict(progress=False, log=lambda s: None)
 

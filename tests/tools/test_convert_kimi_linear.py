@@ -26,7 +26,7 @@ from k3jax import hf_config
 from k3jax.convert import convert, export
 from k3jax.convert.safetensors_io import Source
 from k3jax.model import K3Model
-from k3jax.train.checkpoint import load_pretrained
+from k3jax.convert.checkpoint import load_pretrained
 
 
 

@@ -20,7 +20,7 @@ from k3jax.convert import names as N
 from k3jax.convert import pipeline
 from k3jax.convert.safetensors_io import Source, write_file
 from k3jax.quant import mx
-from k3jax.train.checkpoint import load_pretrained
+from k3jax.convert.checkpoint import load_pretrained
 
 L0 = "layers.0.self_attn."   # a KDA layer
 

@@ -17,7 +17,7 @@ from k3jax import sharding
 from k3jax.config import preset
 from k3jax.convert import convert, streaming
 from k3jax.convert import names as N
-from k3jax.train.checkpoint import load_pretrained
+from k3jax.convert.checkpoint import load_pretrained
 
 QUIET = dict(progress=False, log=lambda s: None)
 

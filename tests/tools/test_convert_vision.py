@@ -19,9 +19,10 @@ from convert_helpers import flat, moonvit_v2_tensors, random_variables, write_k3
 from k3jax.config import preset
 from k3jax.convert import convert, export
 from k3jax.convert.safetensors_io import Source, write_file
-from k3jax.train.checkpoint import load_pretrained
-from k3jax.vision import init_vision, load_vision, vision_config_to_hf, vision_preset
-from k3jax.vision import names as vnames
+from k3jax.convert.checkpoint import load_pretrained
+from k3jax.hf_config import vision_config_to_hf
+from k3jax.vision import init_vision, load_vision, vision_preset
+from k3jax.convert import vision_names as vnames
 
 QUIET = dict(progress=False, log=lambda s: None)
 ROOT = pathlib.Path(__file__).resolve().parents[2]

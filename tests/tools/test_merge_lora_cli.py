@@ -12,10 +12,11 @@ import numpy as np
 from cli_env import ROOT, cli_env
 from convert_helpers import flat
 from k3jax.convert import convert
-from k3jax.train import lora as L
+from k3jax.posttrain import lora as L
+from k3jax.convert.checkpoint import load_pretrained, save_pretrained
 from k3jax.train import trainer
-from k3jax.train.checkpoint import load_pretrained, save_pretrained
-from k3jax.train.step import init_variables
+from k3jax.train.run import base_config, run_config
+from k3jax.train.state import init_variables
 
 
 def _run(*args: str) -> str:
@@ -26,12 +27,11 @@ def _run(*args: str) -> str:
 
 
 def test_train_lora_merge_and_export(tmp_path):
-  cfg = trainer.base_config("tiny")
+  cfg = base_config("tiny")
   cfg.model.update(num_layers=3, mla_every=2, attn_res_block_size=2,   # KDA, MLA; MoE
                    num_mtp_layers=0)
-  base_config = trainer.model_config(cfg)
-  save_pretrained(tmp_path / "base", base_config, init_variables(base_config,
-                                                                 jax.random.PRNGKey(1)))
+  base = run_config(cfg).model
+  save_pretrained(tmp_path / "base", base, init_variables(base, jax.random.PRNGKey(1)))
   text = tmp_path / "corpus.txt"
   text.write_text("".join(f"line {i}: the adapters learn, the base stays.\n" for i in range(400)))
   run = cfg.copy_and_resolve_references()
@@ -39,7 +39,7 @@ def test_train_lora_merge_and_export(tmp_path):
   run.train.update(steps=2, batch_size=2, seq_len=32, eval_every=0, progress=False,
                    tensorboard=False, async_checkpoint=False, peak_flops=1e12)
   run.data.source = str(text)
-  trainer.train(run, str(tmp_path / "run"))
+  trainer.train(run_config(run), str(tmp_path / "run"), recipe=L.RECIPE)
   config, adapters = L.load_adapters(tmp_path / "run" / "adapters")
   assert config.lora_rank == 2 and set(config.lora_targets) == {"q", "o", "experts"}
   assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters))   # trained

@@ -11,6 +11,7 @@ import pytest
 
 import k3jax
 from k3jax.config import preset
+from k3jax.convert.checkpoint import save_pretrained
 from k3jax.train import checkpoint as C
 
 CFG = preset("tiny")
@@ -74,7 +75,7 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
 
 def test_load_pretrained_forms(tmp_path):
   v = _vars(3.0)
-  d = C.save_pretrained(tmp_path / "conv", CFG, {**v, "stats": {"x": jnp.ones(1)}})
+  d = save_pretrained(tmp_path / "conv", CFG, {**v, "stats": {"x": jnp.ones(1)}})
   for path in (tmp_path / "conv", d):
     cfg, got = k3jax.load_pretrained(path)
     assert cfg == CFG and set(got) == {"params", "balance"}

@@ -245,7 +245,7 @@ def test_vision_tower_wqkv_and_wo_are_orthogonalised_per_head():
   assert optim.param_label(path, g.shape) == "muon"
   assert optim.param_label("params/vision_tower/patch_embed/pos_emb/weight", (8, 8, 32)) == "adam"
 
-  from k3jax.train.step import init_variables
+  from k3jax.train.state import init_variables
   v = init_variables(preset("tiny_multimodal", num_layers=2, num_mtp_layers=0),
                      jax.random.PRNGKey(0))
   tx = optim.make_optimizer(1e-2)

@@ -1,4 +1,4 @@
-"""SFT data (k3jax/train/sft.py): JSONL schema and its errors, the assistant loss mask against a
+"""SFT data (k3jax/data/sft.py): JSONL schema and its errors, the assistant loss mask against a
 reference built from each message's own rendering, packing (whole conversations, segment ids,
 too-long ones counted), deterministic batches, and the trainer: bit-exact resume, train.init.
 
@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k3jax import chat
-from k3jax.train import data as D
-from k3jax.train import sft
-from k3jax.train.trainer import base_config, train
+from k3jax.data import chat
+from k3jax.data import tokenizers
+from k3jax.data import sft
+from k3jax.train import trainer
+from k3jax.train.run import base_config, run_config
 
 ASSISTANT = {"role": "assistant", "think": "t", "response": "r",
              "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
@@ -122,9 +123,9 @@ CONVS = st.builds(
 def reference_mask(conv):
   """[BOS], then each block's own rendering, encoded by the byte tokenizer's specials; an
   assistant message's tokens after its 11-token header `[open]assistant[sep]` are masked."""
-  tok = D.ByteTokenizer()
+  tok = tokenizers.ByteTokenizer()
   header = len(tok.encode("[open]assistant[sep]", specials=True))
-  ids, mask = [D.BOS], [False]
+  ids, mask = [tokenizers.BOS], [False]
   if conv.options is not None:
     block = tok.encode(f"[open]options[sep]{conv.options.to_json()}[end_of_msg]", specials=True)
     ids += block.tolist()
@@ -148,16 +149,16 @@ def test_mask_is_exactly_the_assistant_tokens(conv):
 def test_mask_literal():
   conv = chat.Conversation((chat.Message("user", "hi"), chat.Message("assistant", "ok")))
   ids, mask = sft.tokenize(conv)
-  o, s, c, e = D.CHAT_OPEN, D.CHAT_SEP, D.CHAT_CLOSE, D.CHAT_END
+  o, s, c, e = tokenizers.CHAT_OPEN, tokenizers.CHAT_SEP, tokenizers.CHAT_CLOSE, tokenizers.CHAT_END
   b = lambda text: list(text.encode())   # noqa: E731
-  want = ([D.BOS, o, *b("user"), s, *b("hi"), e, o, *b("assistant"), s]
+  want = ([tokenizers.BOS, o, *b("user"), s, *b("hi"), e, o, *b("assistant"), s]
           + [o, *b("response"), s, *b("ok"), c, e])
   assert ids.tolist() == want
   n_trained = len([o, *b("response"), s, *b("ok"), c, e])
   assert mask.tolist() == [False] * (len(want) - n_trained) + [True] * n_trained
   # A "<bos>" or "[open]"-like fragment inside a text stays bytes.
   ids2, _ = sft.tokenize(chat.Conversation((chat.Message("assistant", "<bos>[open"),)))
-  assert D.BOS not in ids2[1:].tolist() and ids2.tolist().count(D.CHAT_OPEN) == 2
+  assert tokenizers.BOS not in ids2[1:].tolist() and ids2.tolist().count(tokenizers.CHAT_OPEN) == 2
 
 
 # ---------------------------------------------------------------------- packing
@@ -165,7 +166,7 @@ def _examples(lengths):
   """Example k: [BOS] then k+1 repeated; every other token (from 2 on) an assistant token."""
   out = []
   for k, n in enumerate(lengths):
-    ids = np.array([D.BOS] + [k + 1] * (n - 1), np.int32)
+    ids = np.array([tokenizers.BOS] + [k + 1] * (n - 1), np.int32)
     mask = (np.arange(n) % 2 == 0) & (np.arange(n) >= 2)
     out.append((ids, mask))
   return out
@@ -183,10 +184,10 @@ def test_packing_keeps_conversations_whole(lengths, seed):
   seen = []
   for r in range(p.num_rows):
     tok, seg, ast = p.tokens[r], p.segment_ids[r], p.assistant[r]
-    assert (tok[seq_len + 1:] == D.PAD).all()                   # the MTP column is padding
-    starts = np.nonzero(tok == D.BOS)[0]
+    assert (tok[seq_len + 1:] == tokenizers.PAD).all()                   # the MTP column is padding
+    starts = np.nonzero(tok == tokenizers.BOS)[0]
     assert starts[0] == 0
-    ends = list(starts[1:]) + [int(np.sum(tok != D.PAD))]
+    ends = list(starts[1:]) + [int(np.sum(tok != tokenizers.PAD))]
     for j, (a, b) in enumerate(zip(starts, ends)):
       k = int(tok[a + 1]) - 1            # conversation k is [BOS] (k+1)…, at least 2 tokens
       assert b - a == lengths[k] and (tok[a + 1:b] == k + 1).all()   # whole, in one piece
@@ -213,11 +214,11 @@ def test_rows_to_batch_shifts_masks_and_targets():
   conv = chat.Conversation((chat.Message("user", "q"), chat.Message("assistant", "a")))
   ids, mask = sft.tokenize(conv)
   b = sft.rows_to_batch(*(x[None] for x in (
-      np.pad(ids, (0, 2), constant_values=D.PAD), np.pad(mask, (0, 2)),
+      np.pad(ids, (0, 2), constant_values=tokenizers.PAD), np.pad(mask, (0, 2)),
       np.ones(len(ids) + 2, np.int32))))
   trained = b["targets"][0][b["loss_mask"][0] > 0]
   want = "[open]response[sep]a[close][end_of_msg]"
-  assert D.ByteTokenizer().decode(trained, specials=True) == want
+  assert tokenizers.ByteTokenizer().decode(trained, specials=True) == want
 
 
 def test_batches_are_deterministic_epochs():
@@ -268,6 +269,10 @@ def _cfg(**over):
   return c
 
 
+def train(cfg, workdir, **kw):
+  return trainer.train(run_config(cfg), workdir, **kw)
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   d = tmp_path_factory.mktemp("straight")
@@ -287,21 +292,19 @@ def test_resume_is_bit_exact(straight, tmp_path):
 
 def test_init_from_checkpoint(straight, tmp_path):
   import k3jax
-  from k3jax.train.trainer import _cached_step, init_from, model_config
-  from k3jax.train.step import create_state
+  from k3jax.train.state import init_variables
+  from k3jax.train.trainer import init_from
   src, _ = straight
-  cfg = _cfg()
-  config = model_config(cfg)
-  tx = _cached_step(cfg, config)[0]
-  fresh = create_state(config, jax.random.PRNGKey(7), tx)
-  state = init_from(str(src), config, fresh, tx)
+  config = run_config(_cfg()).model
+  fresh = init_variables(config, jax.random.PRNGKey(7))
+  variables = init_from(str(src), config, fresh)
   _, saved = k3jax.load_pretrained(src)
-  jax.tree.map(np.testing.assert_array_equal, state.params, saved["params"])
-  jax.tree.map(np.testing.assert_array_equal, state.opt_state, tx.init(state.variables))
+  jax.tree.map(np.testing.assert_array_equal, variables["params"], saved["params"])
+  jax.tree.map(np.testing.assert_array_equal, variables["balance"], saved["balance"])
   with pytest.raises(ValueError, match="train.init: '/no/such' does not exist"):
     train(_cfg(**{"train.init": "/no/such"}), str(tmp_path / "x"))
   with pytest.raises(ValueError, match="num_layers"):
-    init_from(str(src), model_config(_cfg(**{"model.num_layers": 3})), fresh, tx)
+    init_from(str(src), run_config(_cfg(**{"model.num_layers": 3})).model, fresh)
   # End to end: a run from the checkpoint; its resume does not read train.init again.
   work = tmp_path / "ft"
   first = train(_cfg(**{"train.init": str(src)}), str(work), until=1)

@@ -14,9 +14,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 import k3jax.parallel.context
 import k3jax.parallel.expert
 from k3jax import sharding
-from k3jax.train import data as data_lib
-from k3jax.train import sharded, trainer
-from k3jax.train.step import create_state
+from k3jax.data import corpus as data_lib
+from k3jax.train import sharded
+from k3jax.train.run import base_config, run_config
+from k3jax.train.state import init_state, init_variables
 
 
 class _Toy(nn.Module):
@@ -111,19 +112,20 @@ def test_build_step_on_a_mesh_equals_one_device_and_keeps_no_mesh():
   and gives the one-device step's loss and gradient norm; its state comes back laid out by
   the step's shardings. Afterwards no mesh is in JAX's context and no module of k3jax that
   reads one (sharding, parallel/*) holds one."""
-  cfg = trainer.base_config("tiny")
+  cfg = base_config("tiny")
   cfg.model.num_layers = 2                      # one dense layer, one MoE layer
   cfg.train.update(dict(batch_size=8, seq_len=16, mtp_weight=0.0))
-  config = trainer.model_config(cfg)
+  run = run_config(cfg)
+  config = run.model
   batch = data_lib.pack_windows(np.random.default_rng(0).integers(0, 256, size=(8, 18)))
   mesh = sharding.make_mesh(dict(data=2, expert=4))
 
-  one = sharded.build_step(cfg, config)
-  many = sharded.build_step(cfg, config, mesh)
+  one = sharded.build_step(run, config)
+  many = sharded.build_step(run, config, mesh)
   assert isinstance(many.train, sharded.ShardedStep)
   losses = {}
   for name, step in (("one", one), ("many", many)):
-    state = create_state(config, jax.random.PRNGKey(0), step.tx)
+    state = init_state(init_variables(config, jax.random.PRNGKey(0)), sharded.PRETRAIN, step.tx)
     ms = []
     for _ in range(2):
       state, m = step.train(state, batch)
@@ -133,7 +135,7 @@ def test_build_step_on_a_mesh_equals_one_device_and_keeps_no_mesh():
       want = jax.tree.leaves(step.train.state_shardings)
       assert all(x.sharding.is_equivalent_to(s, x.ndim)
                  for x, s in zip(jax.tree.leaves(state), want))
-      w1 = state.params["layers_1"]["block_sparse_moe"]["experts"]["w1"]
+      w1 = state.params["params"]["layers_1"]["block_sparse_moe"]["experts"]["w1"]
       assert "expert" in str(w1.sharding.spec)
   for a, b in zip(losses["one"], losses["many"]):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
@@ -149,7 +151,8 @@ def test_build_step_on_a_mesh_equals_one_device_and_keeps_no_mesh():
 
 
 def test_offload_without_a_mesh_is_refused():
-  cfg = trainer.base_config("tiny")
+  cfg = base_config("tiny")
   cfg.optim.offload_momentum = True
+  run = run_config(cfg)
   with pytest.raises(ValueError, match="offload_momentum: host memory needs a jit"):
-    sharded.build_step(cfg, trainer.model_config(cfg))
+    sharded.build_step(run, run.model)

@@ -7,16 +7,29 @@ import optax
 import pytest
 
 from k3jax.config import preset
-from k3jax.train import data as D
-from k3jax.train.step import create_state, make_train_step
+from k3jax.data import corpus as D
+from k3jax.data import tokenizers
+from k3jax.train.sharded import PRETRAIN
+from k3jax.train.state import init_state, init_variables
+from k3jax.train.step import lm_loss, make_step
 
 CFG = preset("tiny", num_layers=2, mla_every=2)   # KDA (dense) + MLA (MoE), MTP
+
+
+def create_state(config, rng, tx):
+  return init_state(init_variables(config, rng), PRETRAIN, tx)
+
+
+def make_train_step(config, tx, grad_accum=1):
+  """Pre-training's step: the language-model loss, QK-Clip at τ = 100."""
+  return make_step(lm_loss(config), tx, grad_accum=grad_accum,
+                   qk_clip=(100.0, config.qk_nope_head_dim))
 
 
 def _batch(b=4, t=16, seed=0):
   rng = np.random.default_rng(seed)
   windows = rng.integers(0, 256, size=(b, t + 2))
-  windows[1, 5] = D.EOS                # a document boundary: masks and segment ids differ
+  windows[1, 5] = tokenizers.EOS                # a document boundary: masks and segment ids differ
   return jax.tree.map(jnp.asarray, D.pack_windows(windows))
 
 
@@ -72,8 +85,8 @@ def test_bf16_kernels_and_moments_train_like_fp32():
     state = create_state(cfg, jax.random.PRNGKey(1), tx)
     if name == "bf16":    # the fp32 run's initial values, rounded: only the numerics differ
       params = jax.tree.map(lambda a, b: a.astype(b.dtype), init32, state.params)
-      state = state.replace(params=params, opt_state=tx.init(
-          {"params": params, "balance": state.balance}))
+      state = state.replace(params=params)
+      state = state.replace(opt_state=tx.init(state.optimized))
     else:
       init32 = state.params
     dtypes = {path_str(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(state.params)}

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 import k3jax
-from k3jax.train import data as D
-from k3jax.train.trainer import base_config, train
+from k3jax.data import corpus as D
+from k3jax.data import tokenizers
+from k3jax.train.run import base_config, run_config
+from k3jax.train.trainer import train
 
 STEPS = 160
 
@@ -32,6 +34,10 @@ def _cfg(**over):
   return c
 
 
+def _run(**over):
+  return run_config(_cfg(**over))
+
+
 def _losses(records):
   return {r["step"]: r["loss"] for r in records}
 
@@ -39,13 +45,13 @@ def _losses(records):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   d = tmp_path_factory.mktemp("straight")
-  return d, _losses(train(_cfg(), str(d), until=6))
+  return d, _losses(train(_run(), str(d), until=6))
 
 
 def test_resume_is_bit_exact(straight, tmp_path):
   _, want = straight
-  first = _losses(train(_cfg(), str(tmp_path), until=3))       # "killed" after step 3
-  second = _losses(train(_cfg(), str(tmp_path), until=6))      # resumes from checkpoint 3
+  first = _losses(train(_run(), str(tmp_path), until=3))       # "killed" after step 3
+  second = _losses(train(_run(), str(tmp_path), until=6))      # resumes from checkpoint 3
   assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
   got = {**first, **second}
   assert got == want        # bit-exact on CPU: same state, same batches, same program
@@ -62,7 +68,7 @@ def test_load_pretrained_gives_logits(straight):
   d, _ = straight
   config, variables = k3jax.load_pretrained(d)
   assert config.num_layers == 4 and config.name == "tiny"
-  tokens = D.ByteTokenizer().encode("def f(x):\n  return x\n", bos=True)[None, :]
+  tokens = tokenizers.ByteTokenizer().encode("def f(x):\n  return x\n", bos=True)[None, :]
   logits = jax.jit(K3Model(config).apply)(variables, tokens)
   assert logits.shape == (1, tokens.shape[1], config.vocab_size)
   assert np.all(np.isfinite(np.asarray(logits)))
@@ -70,8 +76,7 @@ def test_load_pretrained_gives_logits(straight):
 
 def test_tiny_learns_below_unigram_entropy(tmp_path):
   """A few hundred steps of a (4-layer) tiny model beat the best context-free model by far."""
-  c = _cfg(**{"train.checkpoint_every": 0})
-  recs = train(c, str(tmp_path))
+  recs = train(_run(**{"train.checkpoint_every": 0}), str(tmp_path))
   corpus = D.load_corpus("stdlib")
   h = D.unigram_entropy(corpus.train, 272)
   last = np.mean([r["ce"] for r in recs[-10:]])
@@ -82,26 +87,26 @@ def test_tiny_learns_below_unigram_entropy(tmp_path):
 def test_bad_inputs_fail_before_compute(tmp_path, straight):
   d, _ = straight
   with pytest.raises(ValueError, match="train.batch_size"):
-    train(_cfg(**{"train.batch_size": 0}), str(tmp_path / "a"))
+    train(_run(**{"train.batch_size": 0}), str(tmp_path / "a"))
   with pytest.raises(ValueError, match="train.seq_len"):
-    train(_cfg(**{"train.seq_len": 10 ** 9}), str(tmp_path / "b"))
+    train(_run(**{"train.seq_len": 10 ** 9}), str(tmp_path / "b"))
   with pytest.raises(ValueError, match=r"train.batch_size: must be divisible by train.grad_accum=3"):
-    train(_cfg(**{"train.grad_accum": 3}), str(tmp_path / "b2"))
+    train(_run(**{"train.grad_accum": 3}), str(tmp_path / "b2"))
   with pytest.raises(ValueError, match="train.grad_accum"):
-    train(_cfg(**{"train.grad_accum": 0}), str(tmp_path / "b3"))
+    train(_run(**{"train.grad_accum": 0}), str(tmp_path / "b3"))
   with pytest.raises(ValueError, match="cannot read"):
-    train(_cfg(**{"data.source": str(tmp_path / "missing.txt")}), str(tmp_path / "c"))
+    train(_run(**{"data.source": str(tmp_path / "missing.txt")}), str(tmp_path / "c"))
   with pytest.raises(ValueError, match="balance.method"):
-    train(_cfg(**{"balance.method": "median"}), str(tmp_path / "d"))
+    train(_run(**{"balance.method": "median"}), str(tmp_path / "d"))
   with pytest.raises(ValueError, match="optim.mu_dtype"):
-    train(_cfg(**{"optim.mu_dtype": "int8"}), str(tmp_path / "d2"))
+    train(_run(**{"optim.mu_dtype": "int8"}), str(tmp_path / "d2"))
   with pytest.raises(ValueError, match="optim.offload_momentum: offloads Per-Head Muon"):
-    train(_cfg(**{"optim.offload_momentum": True, "optim.muon": False}), str(tmp_path / "d3"))
+    train(_run(**{"optim.offload_momentum": True, "optim.muon": False}), str(tmp_path / "d3"))
   with pytest.raises(ValueError, match="offload_momentum: host memory needs a jit"):
-    train(_cfg(**{"optim.offload_momentum": True}), str(tmp_path / "d4"))
+    train(_run(**{"optim.offload_momentum": True}), str(tmp_path / "d4"))
   c = _cfg()
   c.model.d_model = 32
   with pytest.raises(ValueError, match=r"another model config.*d_model"):
-    train(c, str(d))
+    train(run_config(c), str(d))
   with pytest.raises(ValueError, match="optimizer settings"):
-    train(_cfg(**{"optim.muon": False}), str(d))
+    train(_run(**{"optim.muon": False}), str(d))

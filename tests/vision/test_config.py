@@ -3,7 +3,7 @@
 import pytest
 
 from k3jax.vision import vision_preset
-from k3jax.vision.config import vision_config_from_hf, vision_config_to_hf
+from k3jax.hf_config import vision_config_from_hf, vision_config_to_hf
 
 K3_VISION_CONFIG = {  # §11, as released
     "model_type": "kimi_k3_vision", "vt_num_hidden_layers": 27, "vt_hidden_size": 1024,

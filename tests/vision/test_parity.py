@@ -38,7 +38,7 @@ def test_merged_and_projected_match_transformers(figures):
 def test_without_the_rope_permutation_parity_fails(monkeypatch, tmp_path):
   # Negative control: the split q/k rows read in transformers' rotate-half order, unpermuted,
   # give clearly different features — the permutation, not luck, makes the test above pass.
-  from k3jax.vision import names as vnames
+  from k3jax.convert import vision_names as vnames
   monkeypatch.setattr(vnames, "rope_half_to_pairs", lambda head_dim: np.arange(head_dim))
   f = vp.run(layers=3, hidden=64, heads=4, intermediate=128, text_hidden=48, pos_emb=8,
              grids=GRIDS, seed=0, workdir=tmp_path)

@@ -9,7 +9,7 @@ import pytest
 from k3jax.layers.norms import rms_norm
 from k3jax.vision import encode, init_vision, pack, vision_preset
 from k3jax.vision import ops
-from k3jax.vision.config import VisionConfig
+from k3jax.config import VisionConfig
 
 # Two images of different sizes and a 3-frame clip, packed into one stream.
 GRID = np.array([[1, 4, 6], [1, 2, 2], [3, 2, 4]])

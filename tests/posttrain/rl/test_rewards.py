@@ -1,0 +1,147 @@
+"""Tasks, rewards and the loss without a model: checkers, the budget boundary, τ annealing,
+MOPD clipping, the stop-gradient through the teacher ratio (gradient value-checked), the group
+baseline."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+# experiments.train imported beside experiments.rl on purpose: pytest workers import several
+# entry points into one process, and their flags must not collide in absl's FLAGS.
+from experiments import train as _train  # noqa: F401
+from experiments.rl import parse_teachers
+from k3jax.config import preset
+from k3jax.posttrain.rl import rewards
+from k3jax.data import rl_tasks
+from k3jax.posttrain.rl.losses import LossConfig, group_advantages, policy_loss
+
+
+def _solve(task):
+  """An independent solver from the question text."""
+  q = task.question
+  if task.domain == "arith":
+    return str(eval(q[len("Compute "):-1]))          # noqa: S307 - generated digits only
+  if task.domain == "sort":
+    return ",".join(sorted(q[len("Sort "):-1].split(",")))
+  seen = {int(x) for x in q[q.index(":") + 1:-1].split(",")}
+  return str(next(d for d in range(10) if d not in seen))
+
+
+def test_tasks_answers_checkers_and_prompts():
+  ts = rl_tasks.TaskSampler(seed=3).sample(60)
+  assert {t.domain for t in ts} == set(rl_tasks.DOMAINS)
+  assert {t.effort for t in ts} == set(rl_tasks.EFFORTS)
+  assert len({t.uid for t in ts}) == 60
+  for t in ts:
+    assert t.answer == _solve(t)
+    text = rl_tasks.decode(t.tokens)     # specials dropped
+    assert t.question in text and f'"effort":"{t.effort}"' in text
+    assert t.tokens[-1] == 262 and t.tokens.count(261) == 4    # ends with [sep]; 4 [open]
+    assert rl_tasks.is_correct(t, "..  " + t.answer)
+    assert not rl_tasks.is_correct(t, t.answer + " x")
+    assert not rl_tasks.is_correct(t, "")
+  r = rewards.task_rewards(ts[:2], [ts[0].answer, "nope"])
+  np.testing.assert_array_equal(r, [1.0, 0.0])
+  with pytest.raises(ValueError, match="domain"):
+    rl_tasks.TaskSampler(domains=("chess",))
+
+
+def test_budget_boundary():
+  # τ·b₀ = 1.5·8 = 12: length 12 is within budget, 13 is over.
+  out = rewards.apply_budget([1.0, 1.0, 0.0, 1.0], [12, 13, 13, 3], [8, 8, 8, 8], 1.5)
+  np.testing.assert_array_equal(out, [1.0, -1.0, -1.0, 1.0])
+  np.testing.assert_array_equal(rewards.budget_violations([12, 13], 8, 1.5), [False, True])
+
+
+def test_tau_schedule_anneals_per_domain():
+  s = rewards.TauSchedule({"arith": 2.0, "sort": 1.0}, {"arith": 1.0, "sort": 0.5},
+                          {"arith": 4, "sort": 0})
+  assert [s("arith", r) for r in (0, 2, 4, 9)] == [2.0, 1.5, 1.0, 1.0]
+  assert s("sort", 0) == 0.5
+  with pytest.raises(ValueError, match="puzzle"):
+    s("puzzle", 0)
+  with pytest.raises(ValueError, match="tau_end"):
+    rewards.TauSchedule.uniform(1.0, 0.0, 3)
+
+
+@given(st.floats(-20, 20), st.floats(-20, 20), st.floats(0.1, 5))
+def test_mopd_reward_clips_at_r_max(t, s, r_max):
+  r = float(rewards.mopd_reward(jnp.float32(t), jnp.float32(s), r_max))
+  want = min(max(np.float32(t) - np.float32(s), -r_max), r_max)
+  assert abs(r - want) <= 1e-5 * max(1.0, abs(want))
+  assert -r_max - 1e-6 <= r <= r_max + 1e-6
+
+
+def _batch(lp, teacher, adv, mask):
+  b, l = lp.shape
+  return {"mask": jnp.asarray(mask, jnp.float32), "behaviour_lp": jnp.asarray(lp),
+          "adv": jnp.asarray(adv, jnp.float32), "teacher_lp": jnp.asarray(teacher),
+          "has_teacher": jnp.ones(b, bool), "ref_lp": jnp.asarray(lp)}
+
+
+def test_stop_gradient_through_teacher_ratio():
+  # At the behaviour policy (ρ = 1, inside the clip range) the gradient of the loss w.r.t. the
+  # student's log-prob is exactly −m_t·(A + β·r_t)/Σm: the MOPD reward r_t is a constant.
+  rng = np.random.default_rng(0)
+  lp = jnp.asarray(rng.normal(-2, 1, (3, 5)), jnp.float32)
+  teacher = jnp.asarray(rng.normal(-2, 2, (3, 5)), jnp.float32)
+  adv = np.array([0.5, -1.0, 0.0])
+  mask = (np.arange(5)[None] < np.array([[5], [3], [4]])).astype(np.float32)
+  cfg = LossConfig(mopd_coef=0.7, r_max=1.5, dual_clip=0.0)
+  batch = _batch(lp, teacher, adv, mask)
+  g = jax.grad(lambda x: policy_loss(x, batch, cfg)[0])(lp)
+  r = np.clip(np.asarray(teacher) - np.asarray(lp), -1.5, 1.5)
+  want = -mask * (adv[:, None] + 0.7 * r) / mask.sum()
+  np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7)
+  # Without the stop-gradient the same loss would give a different gradient (−A + β·(2 lp −
+  # teacher)-like terms): the check above can fail.
+  loss, aux = policy_loss(lp, batch, cfg)
+  np.testing.assert_allclose(float(loss), -(mask * (adv[:, None] + 0.7 * r)).sum() / mask.sum(),
+                             rtol=1e-5)
+  np.testing.assert_allclose(float(aux["mopd"]), (mask * r).sum() / mask.sum(), rtol=1e-5)
+
+
+def test_importance_ratio_clipping():
+  # Stale token: ρ = e^{0.5} > 1 + ε_high with A > 0 → clipped, no gradient; with A < 0 →
+  # unclipped branch ρ·A (min) and gradient −ρ·A·m/Σm.
+  lp = jnp.zeros((2, 1), jnp.float32)
+  batch = _batch(lp - 0.5, lp, [1.0, -1.0], np.ones((2, 1)))
+  batch["has_teacher"] = jnp.zeros(2, bool)
+  cfg = LossConfig(eps_high=0.2, dual_clip=0.0)
+  loss, aux = policy_loss(lp, batch, cfg)
+  rho = np.exp(0.5)
+  np.testing.assert_allclose(float(loss), -(1.2 * 1.0 + rho * -1.0) / 2, rtol=1e-6)
+  g = np.asarray(jax.grad(lambda x: policy_loss(x, batch, cfg)[0])(lp))
+  np.testing.assert_allclose(g[:, 0], [0.0, rho / 2], rtol=1e-6)
+  assert float(aux["clip_frac"]) == 1.0
+  # Dual clip bounds the negative branch at c·A.
+  batch["behaviour_lp"] = lp - 3.0
+  loss, _ = policy_loss(lp, batch, LossConfig(eps_high=0.2, dual_clip=3.0))
+  np.testing.assert_allclose(float(loss), -(1.2 + 3.0 * -1.0) / 2, rtol=1e-6)
+
+
+def test_group_baseline():
+  r = np.array([1, 0, 0, 1, -1, -1, -1, -1, 1, 1, 1, 0], np.float32)
+  a = group_advantages(r, 4)
+  want = np.concatenate([g - g.mean() for g in r.reshape(3, 4)])
+  np.testing.assert_allclose(a, want, atol=1e-7)
+  a = group_advantages(r, 4, std_norm=True)
+  want = np.concatenate([(g - g.mean()) / (g.std() + 1e-6) for g in r.reshape(3, 4)])
+  np.testing.assert_allclose(a, want, rtol=1e-6, atol=1e-7)
+  assert np.all(group_advantages(np.ones(8), 4) == 0)
+  with pytest.raises(ValueError, match="K=4"):
+    group_advantages(np.ones(6), 4)
+
+
+def test_bad_inputs_name_the_problem():
+  with pytest.raises(ValueError, match="r_max"):
+    LossConfig(r_max=0.0)
+  with pytest.raises(ValueError, match="vocab_size"):
+    rewards.Teachers({("arith", "low"): (preset("tiny", vocab_size=300), {})}, 272)
+  assert parse_teachers("arith:low=/a,sort:max=/b") == {("arith", "low"): "/a",
+                                                         ("sort", "max"): "/b"}
+  for bad in ("arith=/a", "chess:low=/a", "arith:low=/a,arith:low=/b"):
+    with pytest.raises(ValueError, match="--teachers"):
+      parse_teachers(bad)
