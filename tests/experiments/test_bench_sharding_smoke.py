@@ -39,7 +39,7 @@ DOCUMENTED = [
     "--part ep --ep_devices 4 --steps 5 --ep_batch 8 --ep_seq_len 64 --ep_num_layers 2",
     "--part state",
     "--part memory --devices 2048 --out /tmp/x.json",
-    "--part memory --devices 2048 --layout fsdp=16,expert=64,tensor=2 --out docs/b.json",
+    "--part memory --devices 2048 --layout fsdp=16,expert=64,tensor=2 --out docs/results/b.json",
     "--part memory --devices 256 --optimizer adamw",
 ]
 
