@@ -23,7 +23,7 @@ def _flags(args):
   return fv
 
 
-# Command lines of the module docstring, README.md, docs/notes and experiments/gpu*_check.sh.
+# Command lines of the module docstring, docs/results.md, docs/notes and experiments/gpu*_check.sh.
 DOCUMENTED = [
     "--quick",
     "--json --out /tmp/bench_kda.json",
@@ -36,6 +36,8 @@ DOCUMENTED = [
     "--sizes 1024x4x64,1024x8x128,4096x4x64,16384x4x64 --impls "
     "chunked,recurrent,torch_chunk,fla_naive --max_torch_tokens 4096 --repeats 7 --json "
     "--out docs/results/bench_kda_cpu.json",
+    "--sizes 1024x4x64,1024x8x128,4096x4x64 --impls chunked,torch_chunk,fla_naive "
+    "--max_torch_tokens 4096 --repeats 7 --json --out docs/results/bench_kda_cpu_rerun.json",
     "--sizes 1024x4x64,4096x4x64,1024x8x128,16384x4x64 --impls chunked,recurrent --repeats 15 "
     "--json --out docs/results/bench_kda_fwd_cpu.json",
     "--sizes 1024x4x64 --impls chunked,pallas,recurrent --repeats 3 --json",
