@@ -17,7 +17,7 @@ direct `mx.fake_round` vs the codec round trip it equals); and the whole StableL
 layer (`small` config, router + shared experts + latent projections) when it exists.
 In fp32 unless `--dtype=bfloat16` (inputs and weights of the expert and dense MLPs; the
 ragged_dot and QAT rows stay fp32); `--noextras` skips the ragged_dot and QAT rows (the GPU
-check at the issue's shape: `--tokens 16384 --dim 2048 --ffn 2048 --dtype bfloat16`). One
+check's shape: `--tokens 16384 --dim 2048 --ffn 2048 --dtype bfloat16`). One
 process; time = min over repeats (the machine may be shared: the load average is printed and
 stored, and ratios are the figures to compare).
 """

@@ -11,7 +11,7 @@ process in turns with it, is a plain dense transformer over one unpacked sequenc
 L tokens with the same weights: the same patch projection, norms, q/k/v/o and MLP matmuls and
 full softmax attention (L×L logits, as the packed op also computes before masking), without
 RoPE, position embedding, segment ids or masks. Their time ratio is the packing overhead (the
-issue's target: ≤ 1.3×). Also printed: the pieces that only the packed tower has (the
+project's target: ≤ 1.3×). Also printed: the pieces that only the packed tower has (the
 attention op against plain attention on the same q/k/v, the position embedding, RoPE on the
 queries, the merger's scatter-add) and the merger + projector ("projected" minus "encoded").
 

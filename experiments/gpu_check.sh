@@ -12,7 +12,7 @@
 #      chunked vs Pallas vs flash-linear-attention's Triton chunk_kda) with --roofline (the
 #      forward's FLOPs and bytes over its time, as fractions of the matmul rate and memory
 #      bandwidth measured in the same process);
-#   4. python -m experiments.bench_moe at the shape: SiTU-GLU experts E 64, k 8,
+#   4. python -m experiments.bench_moe at the GPU check's expert shape: SiTU-GLU experts E 64, k 8,
 #      D = F = 2048, 16K tokens, bf16, fwd+bwd vs a dense MLP of equal active FLOPs (sorted
 #      dropless, capacity 1.1, ragged_dot, Pallas gmm);
 #   5. one training run of configs/gpu_1b.py (~1B-parameter K3-shaped, bf16): tokens/s and MFU

@@ -3,7 +3,7 @@ r"""Train–serve gap with and without quantisation-aware training of the routed
   python -m experiments.qat_gap --config=configs/small.py --workdir=runs/qat_gap \
       --config.train.steps=20 --config.train.batch_size=4 --config.train.grad_accum=1 \
       --config.train.seq_len=128 --config.optim.muon=False --config.train.peak_flops=1e12 \
-      --eval_batches=4 --out=docs/qat_gap_small.json [--data=stdlib]
+      --eval_batches=4 --out=docs/results/qat_gap_small.json [--data=stdlib]
 
 Two fine-tuning runs of the same model from the same initialisation on the same batches
 (k3jax.train.trainer), one with `model.expert_qat=None`, one with "mxfp4_mxfp8" (spec §13,

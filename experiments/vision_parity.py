@@ -1,4 +1,5 @@
-"""Parity of k3jax's moonvit_k25 tower + projector with `transformers`' Kimi K2.5 (issue 16).
+"""Parity of k3jax's moonvit_k25 tower + projector with `transformers`' Kimi K2.5 at full size
+(the figure in docs/results.md).
 
   python -m experiments.vision_parity [--json OUT.json] [--layers 27] [--hidden 1152] \
       [--heads 16] [--intermediate 4304] [--text_hidden 7168] [--seed 0]

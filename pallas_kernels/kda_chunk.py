@@ -52,8 +52,8 @@ Registers and shared memory on GPU (sm_90: 255 registers per thread, 232448 byte
 memory per block): every kernel compiles without spills and within the shared memory at
 chunk 16 (`GPU_MAX_CHUNK`), 8 warps, block_v 64 for bf16 inputs and 16 for fp32
 (`GPU_BLOCK_V`; fp32 dots run on FMA units, whose operands take more registers); measured
-without a GPU in docs/sm90_kernels.json, which tests/pallas_kernels/test_sm90_report.py holds
-to the kernels' current IR. Chunking is exact, so only rounding differs from a larger chunk.
+without a GPU in docs/results/sm90_kernels.json, which tests/pallas_kernels/test_sm90_report.py
+holds to the kernels' current IR. Chunking is exact, so only rounding differs from a larger chunk.
 
 Packed documents (`segment_ids`): the kernels take each token's segment number within its
 chunk (`sc`, the count of segment starts up to it, fp32 [BH, Tp, 1], made by XLA outside) and
@@ -85,7 +85,7 @@ from jax.experimental import pallas as pl
 
 _SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None on older jax)
 # Sizes on the Triton (GPU) target, where every kernel must fit an sm_90 block's registers
-# (no spills) and shared memory: docs/sm90_kernels.json, measured for these sizes.
+# (no spills) and shared memory: docs/results/sm90_kernels.json, measured for these sizes.
 GPU_MAX_CHUNK = 16              # chunk 32 spilled in the per-chunk kernels (pallas_kda.md)
 GPU_BLOCK_V = {2: 64, 4: 16}    # state columns per program, by input itemsize (fp32 dots use
                                 # FMA, not tensor cores: 4x the registers per operand)
@@ -658,7 +658,7 @@ def _state_bwd_loop_kernel(*refs, chunk, num_chunks):
   ds0_ref[...] = lax.fori_loop(0, num_chunks, body, dsf_ref[...].astype(jnp.float32))
 
 
-GPU_NUM_WARPS = 8   # every KDA kernel on the Triton target (docs/sm90_kernels.json)
+GPU_NUM_WARPS = 8   # every KDA kernel on the Triton target (docs/results/sm90_kernels.json)
 
 
 def _compiler_params(target, sequential=False):

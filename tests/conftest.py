@@ -14,7 +14,7 @@ os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Many tests build fresh jitted closures of one computation (a tiny model's forward, in several
-# files and in commands run in another interpreter): one compilation cache for the session
+# files and in commands run in another interpreter): one compilation cache for the test run
 # compiles each once. The process that loads this file first (xdist's controller) makes the
 # directory; its workers and their subprocesses inherit the variable. A size cap turns on
 # jax's lock on the directory (needs filelock), so no process reads another's half-written

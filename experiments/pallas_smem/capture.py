@@ -10,7 +10,7 @@ Each case is a Python call of kda_case(dtype, K, V, chunk, block_v[, packed, bou
 gmm_case(dtype, m, k, n, groups, tiling) or gmm_mxfp4_case(same); one .ttir file per kernel
 lands in the folder, named `case_tag(spec)__I.ttir` (I: the order of lowering: forward first).
 
-The kernels' own report (docs/sm90_kernels.json, checked by
+The kernels' own report (docs/results/sm90_kernels.json, checked by
 tests/pallas_kernels/test_sm90_report.py) pins each measured figure to the sha256 of the TTIR
 it was measured on, so a kernel change without a new measurement fails the tests (gmm*.ttir
 holds the MXFP4 gmm too):
@@ -33,7 +33,7 @@ from jax import export as export_lib
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 REPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                      "docs", "sm90_kernels.json")
+                      "docs", "results", "sm90_kernels.json")
 # The configurations the GPU target runs (pallas_kernels: GPU_MAX_CHUNK, GPU_BLOCK_V,
 # GPU_TILING): K3's and Kimi Linear's KDA heads (K = V = 128) in bf16, packed and not, bounded
 # gate (K3) and unbounded (Kimi Linear), and fp32 inputs; the grouped matmul's tiles in bf16,
@@ -156,7 +156,7 @@ def sha256(text: str) -> str:
 
 
 def pin(ttir_dir: str, *jsonl: str) -> dict:
-  """docs/sm90_kernels.json from measure.py's JSON lines: per case and kernel, the TTIR's
+  """docs/results/sm90_kernels.json from measure.py's JSON lines: per case and kernel, the TTIR's
   sha256 next to its shared memory, registers and spills."""
   measured = {}
   for path in jsonl:

@@ -23,7 +23,7 @@ def _flags(args):
   return fv
 
 
-# Command lines of the module docstring, README.md, docs/notes and experiments/gpu*_check.sh.
+# Command lines of the module docstring, docs/results.md, docs/notes and experiments/gpu*_check.sh.
 DOCUMENTED = [
     "--quick",
     "--json --out /tmp/bench_kda.json",
@@ -35,9 +35,11 @@ DOCUMENTED = [
     "--json --out /tmp/bench_kda_full.json --repeats 1 --max_torch_tokens 4096",
     "--sizes 1024x4x64,1024x8x128,4096x4x64,16384x4x64 --impls "
     "chunked,recurrent,torch_chunk,fla_naive --max_torch_tokens 4096 --repeats 7 --json "
-    "--out docs/bench_kda_cpu.json",
+    "--out docs/results/bench_kda_cpu.json",
+    "--sizes 1024x4x64,1024x8x128,4096x4x64 --impls chunked,torch_chunk,fla_naive "
+    "--max_torch_tokens 4096 --repeats 7 --json --out docs/results/bench_kda_cpu_rerun.json",
     "--sizes 1024x4x64,4096x4x64,1024x8x128,16384x4x64 --impls chunked,recurrent --repeats 15 "
-    "--json --out docs/bench_kda_fwd_cpu.json",
+    "--json --out docs/results/bench_kda_fwd_cpu.json",
     "--sizes 1024x4x64 --impls chunked,pallas,recurrent --repeats 3 --json",
     "--gpu_suite --sizes 8192x96x128 --max_run_gib 60 --max_torch_tokens 40000 --json "
     "--out /tmp/bench_kda_8k.json",

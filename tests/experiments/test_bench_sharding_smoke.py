@@ -27,7 +27,7 @@ def _run(*args):
   bench.run(_flags(args))
 
 
-# Command lines of the module docstring, README.md and docs/notes/sharding.md.
+# Command lines of the module docstring, README.md, docs/results.md and docs/notes.
 DOCUMENTED = [
     "",
     "--part memory --devices 256",
@@ -39,8 +39,12 @@ DOCUMENTED = [
     "--part ep --ep_devices 4 --steps 5 --ep_batch 8 --ep_seq_len 64 --ep_num_layers 2",
     "--part state",
     "--part memory --devices 2048 --out /tmp/x.json",
-    "--part memory --devices 2048 --layout fsdp=16,expert=64,tensor=2 --out docs/b.json",
+    "--part memory --devices 2048 --layout fsdp=16,expert=64,tensor=2 --out docs/results/b.json",
     "--part memory --devices 256 --optimizer adamw",
+    "--part memory --devices 2048",
+    "--part qlora --out qlora.json",
+    "--part qlora --devices 64 --qlora_compile",
+    "--part inference",
 ]
 
 

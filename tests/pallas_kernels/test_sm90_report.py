@@ -1,5 +1,5 @@
-"""The kernels' sm_90 compile report (docs/sm90_kernels.json) belongs to the kernels as they
-are: each entry's TTIR — lowered here, on CPU, for CUDA with the Triton lowering — hashes to
+"""The kernels' sm_90 compile report (docs/results/sm90_kernels.json) belongs to the kernels as
+they are: each entry's TTIR — lowered here, on CPU, for CUDA with the Triton lowering — hashes to
 the sha256 the figures were measured on (experiments/pallas_smem: Triton's pipeline to PTX and
 its `ptxas -v`), so changing a kernel without measuring it again fails here. And every kernel
 the GPU target runs fits in an H100/H200 block's shared memory (232448 bytes) and its
@@ -36,8 +36,9 @@ def test_report_covers_the_configurations_the_gpu_target_runs():
 def test_measured_ir_is_the_kernels_ir_and_fits_registers_and_shared_memory(entry):
   texts = capture.ttir_of(entry["case"])
   assert [capture.sha256(t) for t in texts] == [k["ttir_sha256"] for k in entry["kernels"]], (
-      f"{entry['case']}: the kernels lower to other Triton IR than docs/sm90_kernels.json was "
-      "measured on; measure again (experiments/pallas_smem/capture.py's docstring)")
+      f"{entry['case']}: the kernels lower to other Triton IR than "
+      "docs/results/sm90_kernels.json was measured on; measure again "
+      "(experiments/pallas_smem/capture.py's docstring)")
   # measured with the launch parameters the kernels compile with on a GPU
   if entry["case"].startswith("kda_case"):
     params = kda_chunk._compiler_params("gpu")

@@ -1,7 +1,7 @@
 """LoRA end to end: a run with `train.lora.*` (the fields `experiments.train --config.train.lora.*`
 sets) trains adapters on a saved base, the `tools.merge_lora --export_dir` command folds them in
 and exports the release layout, and that export converts back to exactly the merged checkpoint.
-The merge's numerics: tests/train/test_lora.py."""
+The merge's numerics: tests/posttrain/test_lora.py."""
 
 import subprocess
 import sys

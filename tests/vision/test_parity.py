@@ -1,4 +1,5 @@
-"""Parity with `transformers`' Kimi K2.5 vision tower + projector (issue 16's figure, small).
+"""Parity with `transformers`' Kimi K2.5 vision tower + projector (a small version of
+experiments/vision_parity.py's figure).
 
 A random Kimi_K25VisionModel + Kimi_K25MultimodalProjection with the K2.5 structure (LayerNorm
 and biases, fused-then-split q/k/v with rotate-half RoPE, bicubic position table, temporal
