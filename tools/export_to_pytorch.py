@@ -10,7 +10,9 @@ writes its `vision_tower.*` / `mm_projector.*` tensors (release names, --dtype) 
 `vision_config` in config.json; --only vision writes those alone.
 
 K3 experts are MXFP4-packed by default (`weight_packed` + `weight_scale`, groups of 32 along
-the input axis, low nibble first); K3's A_log is written with 128 entries (zero padding). fp32
+the input axis, low nibble first); K3's A_log is written with 128 entries (zero padding past
+the heads), or whole ([kda_head_dim], + `a_log_per_channel: true` in config.json) when the
+checkpoint reads it per key channel (`convert_from_pytorch --a_log=channel`). fp32
 tensors (A_log, dt_bias, convs, norms, router) stay fp32 whatever --dtype says.
 
 Names and files are the release's (K3_SPEC §12): `language_model.model.*` +

@@ -8,7 +8,11 @@ only when complete, so an interrupted run never leaves a directory that looks li
 checkpoint.
 
 export(src, dst): the inverse, to sharded safetensors + index + config.json (MXFP4 or unquantised
-experts; K3's A_log padded to 128), also via a temporary directory.
+experts; K3's A_log padded to 128 when read per head, whole when read per key channel), also
+via a temporary directory.
+
+K3's A_log has 128 entries for 96 heads (§12): how to read them is decided before anything is
+converted (`resolve_a_log`, --a_log auto|crop|channel) and recorded.
 
 A config with a vision tower (`ModelConfig.vision`) converts and exports its 168 (MoonViT-V2)
 `vision_tower.*` / `mm_projector.*` tensors with the text model (`names.vision_leaves`);
@@ -167,13 +171,101 @@ def _skip(infos: dict, skip_prefix: tuple[str, ...]) -> tuple[dict, list[str]]:
   return {n: i for n, i in infos.items() if not n.startswith(skip_prefix)}, skipped
 
 
-def _check_a_log_padding(source: Source, leaves: list[N.Leaf]) -> None:
-  """K3's A_log [128] must be zero past the real heads (ValueError naming the tensor and the
-  values, from `names.to_ours`): checked for every layer before a conversion writes."""
-  for leaf in leaves:
-    if leaf.kind == "a_log_pad":
-      for slot in leaf.slots:
-        N.to_ours(leaf, [source.get(n) for n in slot.names], np.float32, slot.names)
+# ---------------------------------------------------------------------- A_log's reading
+# --a_log: how K3's 128-entry A_log is read for 96 heads (§12; docs/notes/convert.md, "When the
+# converter stops on A_log"): "crop" keeps the first H entries as the heads' rates
+# (kda_a_log_axis "head"), "channel" takes all of them as one rate per key dimension shared by
+# the heads ("channel"), "auto" follows config.json's `a_log_per_channel` when it has one (a
+# k3jax export) and otherwise crops only when every entry past the heads is exactly zero.
+A_LOG_FLAGS = ("auto", "crop", "channel")
+_AXIS = {"crop": "head", "channel": "channel"}
+_READING = {"head": "crop", "channel": "channel"}
+
+
+def _stats(x: np.ndarray) -> str:
+  x = np.asarray(x, np.float64)
+  return (f"mean {x.mean():.4g}, std {x.std():.4g}, min {x.min():.4g}, max {x.max():.4g}")
+
+
+def _layer_of(name: str) -> str:
+  m = re.search(r"layers\.(\d+)\.", name)
+  return f"layer {m.group(1)}" if m else name
+
+
+def resolve_a_log(flag: str, declared: str | None, config: ModelConfig, source: Source,
+                  infos: dict, names: list[str]) -> tuple[str, dict]:
+  """The axis K3's A_log is read along (`ModelConfig.kda_a_log_axis`) and the record of the
+  decision for the log and conversion.json: {"reading": "crop" | "channel", "kda_a_log_axis",
+  "decided_by", "layers"[, "dropped"]}.
+
+  flag: --a_log (A_LOG_FLAGS). declared: config.json's `a_log_per_channel` as an axis, or None
+  (the release says nothing). names: the A_log tensors (`names.a_log_names`, [] for Kimi
+  Linear's layout); each one present with one axis is read (512 bytes each for the release),
+  the others are left to `validate`'s report. "auto" without a
+  declaration crops when every entry past the heads is exactly zero and otherwise stops with a
+  ValueError showing the values' statistics and both flags; an explicit "crop" drops non-zero
+  entries, counted in the record ("dropped"). A flag that contradicts the declaration is a
+  ValueError.
+  """
+  if flag not in A_LOG_FLAGS:
+    raise ValueError(f"--a_log: expected one of {list(A_LOG_FLAGS)}, found {flag!r}")
+  if not names:   # Kimi Linear's A_log [1,1,H,1]: one rate per head, nothing to decide
+    if flag != "auto":
+      raise ValueError(f"--a_log={flag}: applies to K3's 128-entry A_log; this checkpoint "
+                       "stores A_log per head ([1,1,H,1], Kimi Linear)")
+    axis = declared or "head"
+    return axis, {"reading": _READING[axis], "kda_a_log_axis": axis,
+                  "decided_by": "the layout: A_log [1,1,H,1], one rate per head"}
+  if declared is not None and flag != "auto" and _AXIS[flag] != declared:
+    raise ValueError(
+        f"--a_log={flag} contradicts config.json: linear_attn_config.a_log_per_channel is "
+        f"{str(declared == 'channel').lower()} (A_log read per {declared}); pass --a_log=auto "
+        f"or --a_log={_READING[declared]}")
+  h, k = config.kda_num_heads, config.kda_head_dim
+  values = [(n, source.get(n)) for n in names if n in infos and len(infos[n].shape) == 1]
+  nonzero = [(n, a) for n, a in values if np.any(a[h:])]
+  record: dict = {"layers": len(values)}
+  if flag != "auto":
+    axis, record["decided_by"] = _AXIS[flag], f"--a_log={flag}"
+  elif declared is not None:
+    axis, record["decided_by"] = declared, "config.json: linear_attn_config.a_log_per_channel"
+  elif not nonzero:
+    axis = "head"
+    record["decided_by"] = (f"--a_log=auto: the entries past the {h} heads are zero in all "
+                            f"{len(values)} KDA layers")
+  else:
+    name, a = nonzero[0]
+    p = a.shape[0]
+    channel = (f"the {p} values are one decay rate per key dimension, shared by the {h} heads; "
+               "nothing is dropped" if p == k else
+               f"not possible here: it needs {k} entries (kda_head_dim), found {p}")
+    raise ValueError(
+        f"A_log: {name} has {p} entries for {h} heads, and entries {h}–{p - 1} are not zero "
+        f"padding (non-zero in {len(nonzero)} of {len(values)} KDA layers), so reading it is a "
+        f"decision the converter does not make for you.\n"
+        f"  {_layer_of(name)}, entries {h}–{p - 1}: {_stats(a[h:])} "
+        f"({np.count_nonzero(a[h:])} of {p - h} non-zero)\n"
+        f"  {_layer_of(name)}, all {p} entries: {_stats(a)}\n"
+        f"Convert again with one of:\n"
+        f"  --a_log=channel  {channel}\n"
+        f"  --a_log=crop     the first {h} values are the heads' rates; entries {h}–{p - 1} are "
+        f"dropped (counted in the log and conversion.json)\n"
+        f"(docs/notes/convert.md, \"When the converter stops on A_log\")")
+  if axis == "head" and nonzero:
+    dropped = np.concatenate([a[h:] for _, a in nonzero]).astype(np.float64)
+    record["dropped"] = {"layers": len(nonzero), "nonzero_entries": int(np.count_nonzero(dropped)),
+                         "max_abs": float(np.abs(dropped).max())}
+  return axis, {"reading": _READING[axis], "kda_a_log_axis": axis, **record}
+
+
+def _a_log_line(record: dict) -> str:
+  """One log line for `resolve_a_log`'s record."""
+  line = f"A_log: read as {record['reading']} ({record['decided_by']})"
+  if "dropped" in record:
+    d = record["dropped"]
+    line += (f"; dropped {d['nonzero_entries']} non-zero entries past the heads in "
+             f"{d['layers']} layer(s), max |value| {d['max_abs']:.4g}")
+  return line
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "auto",
@@ -181,7 +273,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
             log: Callable[[str], None] = print, only: str = "all",
             skip_prefix: tuple[str, ...] | list[str] = (), check_only: bool = False,
             mtp_seed: int = 0, workers: int = 1, process_index: int = 0,
-            process_count: int = 1, wait_timeout_s: float | None = None,
+            process_count: int = 1, wait_timeout_s: float | None = None, a_log: str = "auto",
             **config_overrides) -> pathlib.Path | None:
   """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`
   (None for --check_only, and for processes other than 0 of a multi-process conversion).
@@ -195,11 +287,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   skip_prefix: source tensors whose names start with one of these are left out (reported);
   any other tensor the config does not use is an error. Skipping `vision_tower.` and
   `mm_projector.` converts the text model alone (the vision tower is dropped from the config).
+  a_log: how K3's 128-entry A_log is read (`resolve_a_log`, A_LOG_FLAGS): "auto" (crop when
+  the entries past the heads are zero, else stop with their statistics), "crop" (per head) or
+  "channel" (per key dimension, shared by the heads). The reading becomes the result's
+  `kda_a_log_axis`; it is logged and recorded in `dst/conversion.json` ("a_log"), with a count
+  of any non-zero entry "crop" drops.
   MTP: the release has no MTP tensors. When the config has an MTP layer and the source holds
   none of its `k3jax_mtp.*` tensors, the layer is initialised as `K3Model.init` does (seed
   `mtp_seed`), reported through `log` and in `dst/conversion.json`.
-  check_only: read config.json, the index and every shard's header (no tensor data), report
-  every problem (ValueError) or log a summary; nothing is written and `dst` is not used.
+  check_only: read config.json, the index and every shard's header (no tensor data but K3's
+  A_log vectors, 512 bytes each, when `a_log` is "auto"), report every problem (ValueError) or
+  log a summary; nothing is written and `dst` is not used.
   workers: processes converting at once (1: this process, plus workers − 1 spawned); the
   leaves are split into parts (`process_count × workers`, × PARTS_PER_WORKER when workers > 1;
   fixed when the conversion starts), each written straight into the checkpoint by one worker
@@ -234,8 +332,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     if only != "vision":
       raise ValueError("--arch kimi_k25: only the vision tower converts (pass --only vision); "
                        "the K2.5 text model (DeepSeek-V3 layout) is not a k3jax model")
-    if check_only or skip_prefix:
-      raise ValueError("--only vision: --check_only and --skip_prefix apply to full conversions")
+    if check_only or skip_prefix or a_log != "auto":
+      raise ValueError("--only vision: --check_only, --skip_prefix and --a_log apply to full "
+                       "conversions")
     if arch == "auto":
       arch = d.get("model_type") if d.get("model_type") in ARCHS else "?"
       if arch == "?":
@@ -247,6 +346,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     return convert_vision(src, dst, arch=arch, dtype=dtype,
                           allow_torch_pickle=allow_torch_pickle, progress=progress, log=log)
   arch = resolve_arch(d, arch)
+  if "kda_a_log_axis" in config_overrides:
+    raise ValueError("kda_a_log_axis: K3's A_log reading is chosen with --a_log "
+                     f"({'|'.join(A_LOG_FLAGS)}), not a config override")
   config = hf_config.from_hf_config(d, **{"param_dtype": dtype, "dtype": dtype,
                                           **config_overrides})
   for key, why in hf_config.ignored_keys(d).items():
@@ -272,6 +374,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     raise ValueError("--expert_format mxfp4 keeps the source's MXFP4 bytes, but its "
                      "config.json has no quantization_config: its experts are unquantised "
                      "(convert with --expert_format bf16)")
+  axis, a_log_record = resolve_a_log(a_log, hf_config.declared_a_log_axis(d), config, source,
+                                     infos, N.a_log_names(config, text_prefix))
+  config = config.replace(kda_a_log_axis=axis)
+  log(_a_log_line(a_log_record))
   leaves = N.leaves(config, arch, source_experts, text_prefix=text_prefix)
   mtp_names = {n for leaf in leaves if N.is_mtp(leaf) for s in leaf.slots for n in s.names}
   new_mtp = bool(mtp_names) and not any(n in infos for n in mtp_names)
@@ -303,7 +409,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
 
   store = STORE[dtype]
   source_bytes = [sum(infos[n].nbytes for s in leaf.slots for n in s.names) for leaf in leaves]
-  _check_a_log_padding(source, leaves)   # a value check: before anything is written
   stage = streaming.Stage.of(dst)
   plan, resumed = streaming.open_stage(stage, {
       "version": streaming.PLAN_VERSION, "source_files": streaming.fingerprint(source),
@@ -343,7 +448,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
             "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
             "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
             "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
-            "mtp_note": mtp_note, "parts": n_parts, "resumed": resumed}
+            "mtp_note": mtp_note, "a_log": a_log_record, "parts": n_parts,
+            "resumed": resumed}
     log(f"writing orbax checkpoint ({len(leaves)} leaves)")
     streaming.save(stage, config, leaves, store, n_parts, in_memory, meta, dst)
   except ValueError:
