@@ -36,6 +36,7 @@ import re
 import numpy as np
 
 from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig
+from k3jax.convert.dtypes import export_dtype
 from k3jax.quant import mx
 
 # K3 stores A_log with 128 entries for 96 heads (§12): read per head, the first 96 (the rest
@@ -397,20 +398,13 @@ def _natural_key(name: str):
   return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def export_dtype(leaf: Leaf, kind: str, store) -> np.dtype:
-  """The dtype export writes for one tensor of `leaf`: uint8 for MXFP4 pairs, float32 for the
-  leaves kept in fp32 (vectors, norms, router, decay parameters), `store` for the rest."""
-  if kind == "uint8":
-    return np.dtype(np.uint8)
-  return np.dtype(np.float32) if leaf.fp32 else np.dtype(store)
-
-
 def tensor_plan(leaves_: list[Leaf], store) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
   """[(name, dtype, shape)] of every tensor export writes for `leaves_`, in natural name
-  order (layers.2 before layers.10), matmul weights in `store`. Nothing is allocated."""
-  plan = [(name, export_dtype(leaf, kind, store), tuple(shape))
+  order (layers.2 before layers.10); dtypes from the release's table (`dtypes.export_dtype`:
+  uint8 MXFP4 bytes, the fp32 vectors, the rest in `store`). Nothing is allocated."""
+  plan = [(name, export_dtype(name, store), tuple(shape))
           for leaf in leaves_ for slot in leaf.slots
-          for name, shape, kind in zip(slot.names, slot.shapes, slot.dtypes)]
+          for name, shape in zip(slot.names, slot.shapes)]
   plan.sort(key=lambda e: _natural_key(e[0]))
   return plan
 
@@ -510,7 +504,8 @@ def to_ours_into(dest: np.ndarray, leaf: Leaf, arrays: list[np.ndarray]) -> None
 
 
 def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
-  """One slice of ours → the PyTorch array(s) of `slot` (packed+scale for MXFP4)."""
+  """One slice of ours → the PyTorch array(s) of `slot`: packed + scale bytes for MXFP4, else
+  one array in `dtype` (the slot's export dtype, `tensor_plan`)."""
   if leaf.kind == "u8":
     return [np.ascontiguousarray(np.asarray(x).reshape(slot.shapes[0]))]
   x = np.asarray(x, np.float32)
@@ -535,7 +530,7 @@ def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
     return [np.ascontiguousarray(np.asarray(x).reshape(tshape))]
   else:
     raise ValueError(f"unknown kind {leaf.kind!r}")
-  return [np.ascontiguousarray(w.astype(np.float32 if leaf.fp32 else dtype))]
+  return [np.ascontiguousarray(w.astype(dtype))]
 
 
 def slot_nbytes(slot: Slot) -> int:
@@ -544,4 +539,4 @@ def slot_nbytes(slot: Slot) -> int:
 
 __all__ = ["Leaf", "Slot", "leaves", "a_log_names", "vision_leaves", "check_paths", "model_paths", "to_ours",
            "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX", "MTP_PREFIX",
-           "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan", "export_dtype"]
+           "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan"]

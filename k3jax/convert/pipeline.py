@@ -37,6 +37,7 @@ from k3jax import hf_config
 from k3jax.config import ModelConfig
 from k3jax.convert import names as N
 from k3jax.convert import streaming
+from k3jax.convert.dtypes import release_dtype, release_rule
 from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir
 from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
 
@@ -60,16 +61,20 @@ def _fmt_list(items: list, limit: int = 20) -> str:
   return "\n  " + s + more
 
 
-# Tensors the release stores in float32 (§9): a K3 source with another dtype for these is
-# mis-typed (the values would already have been rounded).
-_K3_FP32 = re.compile(r"(A_log|dt_bias|_conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+# Float dtypes numpy names but does not call "f" (ml_dtypes').
 _FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
-def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str]]:
+def _is_float(dt: np.dtype) -> bool:
+  return dt.kind == "f" or dt.name in _FLOATS
+
+
+def problems(infos: dict, leaves: list[N.Leaf]) -> dict[str, list[str]]:
   """Every difference between a checkpoint's tensors (`infos`: name → TensorInfo, headers
   only) and what `leaves` expect: {"missing", "unexpected", "shape", "dtype"} → lines naming
-  each tensor with the expected and found value. Nothing is read but the headers."""
+  each tensor with the expected and found value. A float tensor may have any float dtype
+  (`dtype_report` lists conversions and departures from the release's table); MXFP4 bytes must
+  be uint8. Nothing is read but the headers."""
   expected = {}
   for leaf in leaves:
     for slot in leaf.slots:
@@ -78,7 +83,7 @@ def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str
   out = {"missing": sorted((n for n in expected if n not in infos), key=N._natural_key),
          "unexpected": sorted((n for n in infos if n not in expected), key=N._natural_key),
          "shape": [], "dtype": []}
-  u8, f32 = np.dtype(np.uint8), np.dtype(np.float32)
+  u8 = np.dtype(np.uint8)
   for name, (shape, kind) in expected.items():
     info = infos.get(name)
     if info is None:
@@ -90,13 +95,43 @@ def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str
     if kind == "uint8":
       if dt is not u8 and dt != u8:
         out["dtype"].append(f"{name}: expected dtype uint8 (MXFP4), found {dt}")
-    elif dt.kind != "f" and dt.name not in _FLOATS:
+    elif not _is_float(dt):
       out["dtype"].append(f"{name}: expected a float dtype, found {dt}")
-    elif dt != f32 and arch == "kimi_k3" and _K3_FP32.search(name):
-      out["dtype"].append(f"{name}: expected float32 (the release keeps it in fp32), found {dt}")
   out["shape"].sort(key=N._natural_key)
   out["dtype"].sort(key=N._natural_key)
   return out
+
+
+def dtype_report(infos: dict, leaves: list[N.Leaf], arch: str,
+                 store: np.dtype) -> tuple[dict[str, list[str]], list[str]]:
+  """How a checkpoint's float tensors load, from the headers: (conversions, warnings).
+
+  conversions: {"<found> -> <stored>": [names]}, every float tensor whose dtype differs from
+  what the model keeps it as (`streaming.storage_dtype`: float32 for vectors, norms and the
+  router, `store` for matmul weights). warnings (K3 only): one line per float tensor whose
+  dtype differs from the release's table (`dtypes.RELEASE_DTYPES`): loaded all the same, since
+  the small tensors' dtypes are partly a guess (§12). MXFP4 bytes (decoded or kept) and tensors
+  absent from `infos` are `problems`' business.
+  """
+  conversions: dict[str, list[str]] = {}
+  warnings = []
+  for leaf in leaves:
+    if leaf.mx or leaf.kind == "u8":
+      continue
+    stored = streaming.storage_dtype(leaf, store)
+    for slot in leaf.slots:
+      for name in slot.names:
+        info = infos.get(name)
+        if info is None or not _is_float(info.dtype):
+          continue
+        if info.dtype != stored:
+          conversions.setdefault(f"{info.dtype.name} -> {stored.name}", []).append(name)
+        if arch == "kimi_k3" and info.dtype != (table := release_dtype(name)):
+          warnings.append(f"{name}: {info.dtype.name}, the release's table says {table.name} "
+                          f"({release_rule(name).source}); loaded as {stored.name}")
+  for names in conversions.values():
+    names.sort(key=N._natural_key)
+  return dict(sorted(conversions.items())), sorted(warnings, key=N._natural_key)
 
 
 def report(found: dict[str, list[str]], limit: int = 20) -> str:
@@ -110,7 +145,7 @@ def report(found: dict[str, list[str]], limit: int = 20) -> str:
 
 def validate(infos: dict, leaves: list[N.Leaf], arch: str, where: str) -> None:
   """Raise ValueError listing missing / unexpected / wrong-shape / wrong-dtype tensors."""
-  text = report(problems(infos, leaves, arch))
+  text = report(problems(infos, leaves))
   if text:
     raise ValueError(f"checkpoint {where!r} does not match its config.json ({arch}):\n{text}")
 
@@ -279,7 +314,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   (None for --check_only, and for processes other than 0 of a multi-process conversion).
 
   dtype: storage of matmul weights ("float32" or "bfloat16"); norms, A_log, dt_bias, convs and
-  the router stay float32 whatever it says; vision tensors follow it.
+  the router stay float32 whatever it says; vision tensors follow it. Source float tensors may
+  be in any float dtype (bf16, fp16, fp32, fp8): each one converted is logged by kind and
+  listed in `dst/conversion.json` ("dtype_conversions"); a K3 tensor whose dtype differs from
+  the release's table (k3jax/convert/dtypes.py) is a warning ("dtype_warnings"), never an
+  error. MXFP4 pairs must be uint8 with their exact shapes.
   only: "all" (text model, and the vision tower when config.json has a vision_config) or
   "vision" (the tower + projector alone, `k3jax.convert.vision.convert_vision`; arch
   kimi_k3 or kimi_k25, "auto" reads config.json's model_type).
@@ -383,7 +422,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   new_mtp = bool(mtp_names) and not any(n in infos for n in mtp_names)
   if new_mtp:   # the release: no MTP tensors at all (some but not all is a `missing` error)
     leaves = [leaf for leaf in leaves if not N.is_mtp(leaf)]
+  store = STORE[dtype]
+  conversions, dtype_warnings = dtype_report(infos, leaves, arch, store)
+  if dtype_warnings:
+    log(f"warning: {len(dtype_warnings)} float tensor(s) in another dtype than the release's "
+        f"table (k3jax/convert/dtypes.py) — loaded and converted all the same:"
+        f"{_fmt_list(dtype_warnings)}")
   validate(infos, leaves, arch, str(source.dir))
+  if conversions:
+    log(f"dtypes: {sum(map(len, conversions.values()))} float tensor(s) converted to the "
+        "model's parameter dtypes (" + ", ".join(f"{k} ×{len(v)}" for k, v in conversions.items())
+        + ")" + ("" if check_only else "; each listed in conversion.json"))
   n_tensors = sum(len(s.names) for leaf in leaves for s in leaf.slots)
   total = sum(infos[n].nbytes for leaf in leaves for s in leaf.slots for n in s.names)
   mtp_note = (f"the source has no MTP tensors; the config's MTP layer is initialised as "
@@ -407,7 +456,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   map_checked = checker.submit(check_map)
   checker.shutdown(wait=False)
 
-  store = STORE[dtype]
   source_bytes = [sum(infos[n].nbytes for s in leaf.slots for n in s.names) for leaf in leaves]
   stage = streaming.Stage.of(dst)
   plan, resumed = streaming.open_stage(stage, {
@@ -448,8 +496,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
             "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
             "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
             "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
-            "mtp_note": mtp_note, "a_log": a_log_record, "parts": n_parts,
-            "resumed": resumed}
+            "mtp_note": mtp_note, "a_log": a_log_record, "dtype_conversions": conversions,
+            "dtype_warnings": dtype_warnings, "parts": n_parts, "resumed": resumed}
     log(f"writing orbax checkpoint ({len(leaves)} leaves)")
     streaming.save(stage, config, leaves, store, n_parts, in_memory, meta, dst)
   except ValueError:
@@ -487,6 +535,9 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
   `model.safetensors.index.json` + config.json (with the release's `quantization_config` when
   experts are MXFP4).
 
+  Dtypes are the release's table (`dtypes.RELEASE_DTYPES`: uint8 MXFP4 bytes, fp32 A_log,
+  dt_bias, convs, o_norm and router bias, everything else — router included — bf16), the bf16
+  entries written in `dtype` (float32: fp32 masters exactly).
   Names are the release's (§12): `language_model.model.*` / `language_model.lm_head.weight`
   when the config has a vision tower, bare `model.*` / `lm_head.weight` otherwise
   (`text_prefix` "language_model." or "" overrides). The release has no MTP tensors, so the
@@ -551,10 +602,10 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
         leaf, slot, k = where[name]
         if name not in pending:
           x = np.asarray(_get(variables, (leaf.collection,) + leaf.path))[slot.index]
-          for n2, a in zip(slot.names, N.from_ours(leaf, slot, x, store)):
+          for n2, a in zip(slot.names, N.from_ours(leaf, slot, x, dt)):
             pending[n2] = a
         a = pending.pop(name)
-        writer.write(name, a.astype(dt, copy=False))
+        writer.write(name, a)
         bar.update(a.nbytes)
     writer.close()
     cfg = hf_config.to_hf_config(config, arch, expert_format)

@@ -287,6 +287,79 @@ def test_a_log_crop_drops_nonzero_padding_only_when_asked(tiny, tmp_path):
                 r"'heads'", a_log="heads")
 
 
+def test_float_tensors_load_in_any_float_dtype(tiny, tmp_path):
+  """The small tensors' dtypes are partly a guess (§12): a bf16 A_log, conv and router bias,
+  fp16 dt_bias and o_norm and an fp32 router (every tensor of this source is fp32 but these)
+  all load, cast exactly to the model's fp32, each conversion listed in conversion.json; the
+  ones that differ from the release's table are warnings; an integer where a float belongs
+  is still an error. Export writes the table's dtypes, which --check_only then finds clean."""
+  import ml_dtypes
+  config, variables = tiny
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+  a, r = "language_model.model." + L0, "language_model.model.layers.1.block_sparse_moe.gate."
+  casts = {a + "A_log": bf16, a + "q_conv1d.weight": bf16, r + "e_score_correction_bias": bf16,
+           a + "dt_bias": np.dtype(np.float16), a + "o_norm.weight": np.dtype(np.float16)}
+  src = {}
+  def edit(t):
+    for n, dt in casts.items():
+      t[n] = t[n].astype(dt)
+    src.update(t)
+  d = _release(tiny, tmp_path, edit)
+  lines, kw = _logs()
+  dst = convert(d, tmp_path / "conv", kda_chunk_size=config.kda_chunk_size, **kw)
+  meta = json.loads((dst / "conversion.json").read_text())
+  assert meta["dtype_conversions"] == {
+      "bfloat16 -> float32": [a + "A_log", a + "q_conv1d.weight",
+                              r + "e_score_correction_bias"],
+      "float16 -> float32": [a + "dt_bias", a + "o_norm.weight"]}
+  assert ("dtypes: 5 float tensor(s) converted to the model's parameter dtypes (bfloat16 -> "
+          "float32 ×3, float16 -> float32 ×2); each listed in conversion.json") in lines
+  warned = meta["dtype_warnings"]
+  for line in (
+      f"{a}A_log: bfloat16, the release's table says float32 (K3_SPEC §9/§12 and public: A_log "
+      "is F32 [128] (read from the first shard)); loaded as float32",
+      f"{a}dt_bias: float16, the release's table says float32 (K3_SPEC §9: dt_bias fp32); "
+      "loaded as float32",
+      f"{r}weight: float32, the release's table says bfloat16 (size evidence (K3_SPEC §12): "
+      "1.561 TB published; bf16 routers give 1.5609 TB, fp32 ones 1.5620 TB); loaded as float32"):
+    assert line in warned
+  assert any(w.startswith(a + "q_conv1d.weight: bfloat16, the release's table says float32")
+             for w in warned)
+  assert any(l.startswith(f"warning: {len(warned)} float tensor(s) in another dtype than the "
+                          "release's table") for l in lines)
+  _, got = load_pretrained(dst)
+  kda = got["params"]["layers_0"]["self_attn"]
+  for name, leaf in (("A_log", kda["A_log"]), ("dt_bias", kda["dt_bias"].reshape(-1)),
+                     ("o_norm.weight", kda["o_norm"])):
+    assert leaf.dtype == np.float32
+    np.testing.assert_array_equal(leaf, src[a + name][:leaf.shape[0]].astype(np.float32),
+                                  err_msg=name)
+  # --dtype bfloat16: the fp32 matmul weights are rounded, listed too (check_only: no data)
+  lines, kw = _logs()
+  convert(d, None, check_only=True, dtype="bfloat16", **kw)
+  assert any(re.search(r"float32 -> bfloat16 ×\d+\)$", l) for l in lines)
+
+  def as_int(t):
+    t[a + "A_log"] = np.zeros(128, np.int32)
+  _expect_error(_release(tiny, tmp_path / "int", as_int), tmp_path,
+                re.escape(f"{a}A_log: expected a float dtype, found int32"))
+
+  exported = export(None, tmp_path / "bf16", loaded=(config, variables), progress=False,
+                    text_prefix="language_model.", log=lambda s: None)
+  out = Source(exported).infos
+  for name, dt in ((a + "A_log", "float32"), (a + "dt_bias", "float32"),
+                   (a + "q_conv1d.weight", "float32"), (a + "o_norm.weight", "float32"),
+                   (r + "e_score_correction_bias", "float32"), (r + "weight", "bfloat16"),
+                   (a + "q_proj.weight", "bfloat16"),
+                   ("language_model.model.layers.0.input_layernorm.weight", "bfloat16"),
+                   ("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed",
+                    "uint8")):
+    assert out[name].dtype.name == dt, name
+  lines, kw = _logs()
+  convert(exported, None, check_only=True, **kw)
+  assert not [l for l in lines if l.startswith("warning")] and lines[-1].startswith("check: ")
+
+
 def test_unknown_names_are_errors_unless_skipped(tiny, tmp_path):
   def add(t):
     t["vision_tower.extra.weight"] = np.zeros(3, np.float32)
