@@ -39,10 +39,15 @@ config.json's `a_log_per_channel` when a k3jax export wrote one, and otherwise s
 values' statistics and both flags (docs/notes/convert.md, "When the converter stops on
 A_log"). The reading is printed and recorded in the result's config and conversion.json.
 
+Float tensors load whatever their float dtype (bf16, fp16, fp32), cast to the model's
+parameter dtypes; each conversion is printed by kind and listed in conversion.json, and a K3
+tensor in another dtype than the release's table (k3jax/convert/dtypes.py) is a warning.
+
 --check_only reads config.json, the index and every shard's header (no tensor data) and
-reports every missing, unexpected, mis-shaped and mis-typed tensor (exit status 1), or a
-one-line summary; with --a_log=auto it also reads the A_log vectors (512 bytes each) to decide
-their reading; --dst is not needed.
+reports every missing, unexpected, mis-shaped and mis-typed tensor (MXFP4 bytes not uint8, a
+non-float where a float belongs; exit status 1) or a one-line summary, with the dtype
+warnings; with --a_log=auto it also reads the A_log vectors (512 bytes each) to decide their
+reading; --dst is not needed. A conversion that stops on bad data prints why and exits 1.
 """
 
 from __future__ import annotations

@@ -537,6 +537,6 @@ def slot_nbytes(slot: Slot) -> int:
   return sum(math.prod(s) for s in slot.shapes)
 
 
-__all__ = ["Leaf", "Slot", "leaves", "a_log_names", "vision_leaves", "check_paths", "model_paths", "to_ours",
-           "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX", "MTP_PREFIX",
-           "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan"]
+__all__ = ["Leaf", "Slot", "leaves", "a_log_names", "vision_leaves", "check_paths", "model_paths",
+           "to_ours", "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX",
+           "MTP_PREFIX", "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan"]

@@ -61,7 +61,7 @@ def _fmt_list(items: list, limit: int = 20) -> str:
   return "\n  " + s + more
 
 
-# Float dtypes numpy names but does not call "f" (ml_dtypes').
+# ml_dtypes' float types (numpy's dtype.kind is not "f" for them).
 _FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -219,7 +219,7 @@ _READING = {"head": "crop", "channel": "channel"}
 
 def _stats(x: np.ndarray) -> str:
   x = np.asarray(x, np.float64)
-  return (f"mean {x.mean():.4g}, std {x.std():.4g}, min {x.min():.4g}, max {x.max():.4g}")
+  return f"mean {x.mean():.4g}, std {x.std():.4g}, min {x.min():.4g}, max {x.max():.4g}"
 
 
 def _layer_of(name: str) -> str:
@@ -230,17 +230,16 @@ def _layer_of(name: str) -> str:
 def resolve_a_log(flag: str, declared: str | None, config: ModelConfig, source: Source,
                   infos: dict, names: list[str]) -> tuple[str, dict]:
   """The axis K3's A_log is read along (`ModelConfig.kda_a_log_axis`) and the record of the
-  decision for the log and conversion.json: {"reading": "crop" | "channel", "kda_a_log_axis",
-  "decided_by", "layers"[, "dropped"]}.
+  decision for the log and conversion.json: {"reading": "crop" | "channel" ("head" for Kimi
+  Linear's layout), "kda_a_log_axis", "decided_by"[, "layers", "dropped"]}.
 
   flag: --a_log (A_LOG_FLAGS). declared: config.json's `a_log_per_channel` as an axis, or None
   (the release says nothing). names: the A_log tensors (`names.a_log_names`, [] for Kimi
   Linear's layout); each one present with one axis is read (512 bytes each for the release),
-  the others are left to `validate`'s report. "auto" without a
-  declaration crops when every entry past the heads is exactly zero and otherwise stops with a
-  ValueError showing the values' statistics and both flags; an explicit "crop" drops non-zero
-  entries, counted in the record ("dropped"). A flag that contradicts the declaration is a
-  ValueError.
+  the others are left to `validate`'s report. "auto" without a declaration crops when every
+  entry past the heads is exactly zero and otherwise stops with a ValueError showing the
+  values' statistics and both flags; an explicit "crop" drops non-zero entries, counted in the
+  record ("dropped"). A flag that contradicts the declaration is a ValueError.
   """
   if flag not in A_LOG_FLAGS:
     raise ValueError(f"--a_log: expected one of {list(A_LOG_FLAGS)}, found {flag!r}")
@@ -249,7 +248,7 @@ def resolve_a_log(flag: str, declared: str | None, config: ModelConfig, source: 
       raise ValueError(f"--a_log={flag}: applies to K3's 128-entry A_log; this checkpoint "
                        "stores A_log per head ([1,1,H,1], Kimi Linear)")
     axis = declared or "head"
-    return axis, {"reading": _READING[axis], "kda_a_log_axis": axis,
+    return axis, {"reading": "head" if axis == "head" else "channel", "kda_a_log_axis": axis,
                   "decided_by": "the layout: A_log [1,1,H,1], one rate per head"}
   if declared is not None and flag != "auto" and _AXIS[flag] != declared:
     raise ValueError(
