@@ -3,8 +3,9 @@
   python -m experiments.bench_check_only                  # table
   python -m experiments.bench_check_only --json --out /tmp/check_only.json
 
-The layout is the released one (`tools.checkpoint_names.names_for(preset("k3"))`: 497,220
-entries in 96 safetensors shards, 1.56 TB) synthesised as header-only files made the right
+The layout is the released one as published — tests/tools/release_facts.py, typed by hand from
+K3_SPEC.md §9/§11/§12, never k3jax's own tensor map (which is what the check tests): 497,220
+entries in 96 safetensors shards, 1.561 TB, synthesised as header-only files made the right
 size with `os.truncate` — sparse, so under 200 MB on disk. The check reads config.json, the
 index and every shard's header (no tensor data). Reported: wall and CPU seconds of the
 in-process `convert(src, None, check_only=True)` (the goal is ≤ 10 s) and of the CLI with its
@@ -13,6 +14,7 @@ interpreter start and imports. `tests/tools/test_check_only.py` uses the same sy
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -33,8 +35,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def write_shard(path: pathlib.Path, entries) -> None:
   """A valid safetensors file of `entries` [(name, dtype, shape)] whose data is a hole."""
-  from k3jax.convert.safetensors_io import _header_bytes
-  header = _header_bytes(entries, {"format": "pt"})
+  from k3jax.convert.safetensors_io import header_bytes
+  header = header_bytes(entries, {"format": "pt"})
   data = sum(math.prod(s) * d.itemsize for _, d, s in entries)
   with open(path, "wb") as f:
     f.write(header)
@@ -75,11 +77,21 @@ def write_layout(d: pathlib.Path, shards: dict[str, list], link_from=None) -> No
                                                                     "mxfp4")))
 
 
+def published_entries() -> list:
+  """[(name, numpy dtype, shape)] of the release as published: the hand-typed facts of
+  tests/tools/release_facts.py (loaded from its file: tests/ is not a package)."""
+  from k3jax.convert.safetensors_io import DTYPES
+  spec = importlib.util.spec_from_file_location(
+      "release_facts", ROOT / "tests" / "tools" / "release_facts.py")
+  facts = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(facts)
+  return [(name, DTYPES[dtype], tuple(shape)) for name, shape, dtype in facts.entries()]
+
+
 def release_layout(d: pathlib.Path) -> dict[str, list]:
-  """Write the clean k3 release layout into `d`; returns its {file: entries}."""
-  from k3jax.config import preset
-  from tools.checkpoint_names import names_for
-  shards = split_shards(names_for(preset("k3")))
+  """Write the clean k3 release layout (`published_entries`) into `d`; returns its
+  {file: entries}."""
+  shards = split_shards(published_entries())
   write_layout(d, shards)
   return shards
 

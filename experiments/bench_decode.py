@@ -133,7 +133,7 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
     calls = []
     for c, vv in ((cfg, v), (cfg_p, v_p)):
       cache = G.init_cache(c, batch, ctx + 1).replace(lengths=jnp.full((batch,), ctx, jnp.int32))
-      calls.append(functools.partial(G._decode_jit(c), vv, cache, ones, ones))
+      calls.append(functools.partial(G.decode_fn(c), vv, cache, ones, ones))
     outs = [np.asarray(f()[0]) for f in calls]   # compile + warm up
     if not np.array_equal(outs[0].argmax(-1), outs[1].argmax(-1)):
       print(f"note: greedy tokens differ at context {ctx} (MXFP4 rounding of the experts)")
@@ -187,7 +187,7 @@ def main(argv):
     cache = G.init_cache(cfg, 1, ctx + 1)
     cache = cache.replace(lengths=jnp.array([ctx], jnp.int32))
     tok = jnp.array([1], jnp.int32)
-    step = G._decode_jit(cfg)
+    step = G.decode_fn(cfg)
     one = jnp.ones((1,), jnp.int32)
     hybrid.append(timing.median_seconds(lambda: step(v, cache, tok, one)[0], _STEPS.value))
     x = jax.random.normal(key, (1, 1, cfg.d_model))

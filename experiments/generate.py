@@ -106,7 +106,7 @@ def chat_output(generated: str, thinking: bool, show_think: bool):
     parts += ["--- think ---", msg.think or "", "--- response ---"]
   parts.append(msg.content or "")
   if msg.tool_calls:
-    parts += ["--- tools ---", chat._json([{"name": c.name, "arguments": c.arguments}
+    parts += ["--- tools ---", chat.canonical_json([{"name": c.name, "arguments": c.arguments}
                                            for c in msg.tool_calls])]
   return msg, "\n".join(parts)
 

@@ -244,6 +244,11 @@ class ModelConfig:
   kda_head_dim: int = 128          # dk = dv
   kda_conv_size: int = 4
   kda_lower_bound: float | None = -5.0   # None: Kimi Linear's unbounded softplus decay
+  # The axis A_log runs along (§3, §12): "head" — A_log [H], one decay rate per head (the
+  # spec's formula; Kimi Linear); "channel" — A_log [K], one rate per key dimension, shared by
+  # the heads (one reading of the release's 128-entry A_log; docs/notes/convert.md, "When the
+  # converter stops on A_log"). Changes A_log's shape, nothing else.
+  kda_a_log_axis: Literal["head", "channel"] = "head"
   kda_gate_rank: int = 128         # rank of f_a/f_b (and of g_a/g_b when not full rank)
   full_rank_gates: bool = True     # output gate g_proj: d -> H*dv (K3) vs rank-r pair (Kimi Linear)
   kda_chunk_size: int = 64
@@ -430,6 +435,9 @@ class ModelConfig:
       # The chunked form rescales by exp(-cumulative decay) inside 16-token tiles:
       # |lower_bound| * 16 must stay below ln(fp32 max) ≈ 88.7 (§3).
       bad("kda_lower_bound", f"expected None or a value in [-5.5, 0), found {self.kda_lower_bound}")
+    if self.kda_a_log_axis not in ("head", "channel"):
+      bad("kda_a_log_axis", f"expected 'head' (A_log [H]) or 'channel' (A_log [K], shared by "
+          f"the heads), found {self.kda_a_log_axis!r}")
     if self.kda_chunk_size % 16:
       bad("kda_chunk_size", f"must be a multiple of the 16-token tile, found {self.kda_chunk_size}")
     if self.activation not in ("situ", "swiglu"):

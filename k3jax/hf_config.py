@@ -53,6 +53,25 @@ def detect_arch(d: dict) -> str:
   _bad("model_type", "'kimi_linear' or 'kimi_k3'", d.get("model_type"))
 
 
+# k3jax's own `linear_attn_config` key saying how A_log is read (ModelConfig.kda_a_log_axis):
+# true for one rate per key channel. The release's config.json does not say (§12), so the
+# exporter writes the key only for the per-channel reading: a per-head export reads like the
+# release, a per-channel one converts back without the `--a_log` flag.
+A_LOG_PER_CHANNEL = "a_log_per_channel"
+
+
+def declared_a_log_axis(d: dict) -> str | None:
+  """"channel" or "head" when a config dict's linear_attn_config says how to read A_log
+  (`a_log_per_channel`), None when it does not (the release)."""
+  lac = text_config(d).get("linear_attn_config") or {}
+  if A_LOG_PER_CHANNEL not in lac:
+    return None
+  v = lac[A_LOG_PER_CHANNEL]
+  if not isinstance(v, bool):
+    _bad(f"linear_attn_config.{A_LOG_PER_CHANNEL}", "true or false", v)
+  return "channel" if v else "head"
+
+
 def _first(d: dict, *keys, default=None):
   for k in keys:
     if k in d:
@@ -190,6 +209,7 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
       kda_conv_size=int(_first(lac, "short_conv_kernel_size",
                                default=_first(tc, "linear_conv_kernel_dim", default=4))),
       kda_lower_bound=_first(lac, "gate_lower_bound", default=None),
+      kda_a_log_axis=declared_a_log_axis(d) or "head",
       # Moonshot's f_a / g_a project to head_dim; "gate_rank" is our extension for other ranks.
       kda_gate_rank=int(_first(lac, "gate_rank", default=head_dim)),
       full_rank_gates=bool(_first(lac, "use_full_rank_gate", default=False)),
@@ -366,6 +386,7 @@ def is_k3_style(c: ModelConfig) -> bool:
   """True when the config needs the K3 checkpoint layout (any K3-only feature)."""
   return (c.attn_res_block_size is not None or c.latent_moe_dim is not None
           or c.full_rank_gates or c.kda_lower_bound is not None or c.mla_output_gate
+          or c.kda_a_log_axis == "channel"
           or c.activation == "situ" or c.vision is not None)
 
 
@@ -386,6 +407,7 @@ def to_hf_config(c: ModelConfig, arch: str | None = None,
                   ("latent_moe_dim", c.latent_moe_dim is None),
                   ("full_rank_gates", not c.full_rank_gates),
                   ("kda_lower_bound", c.kda_lower_bound is None),
+                  ("kda_a_log_axis", c.kda_a_log_axis == "head"),
                   ("mla_output_gate", not c.mla_output_gate),
                   ("activation", c.activation == "swiglu")):
       if not ok:
@@ -430,6 +452,8 @@ def to_hf_config(c: ModelConfig, arch: str | None = None,
   lac.update(use_full_rank_gate=c.full_rank_gates)
   if c.kda_lower_bound is not None:
     lac["gate_lower_bound"] = c.kda_lower_bound
+  if c.kda_a_log_axis == "channel":
+    lac[A_LOG_PER_CHANNEL] = True
   tc.update(
       mla_use_output_gate=c.mla_output_gate,
       activation_situ_beta=c.situ_beta1, activation_situ_linear_beta=c.situ_beta2,
@@ -522,4 +546,5 @@ def vision_config_to_hf(config: VisionConfig) -> dict:
 
 __all__ = ["from_hf_config", "to_hf_config", "ignored_keys", "detect_arch", "text_config",
            "is_k3_style", "check_quantization_config", "release_quantization_config",
-           "vision_config_from_hf", "vision_config_to_hf", "MXFP4_FORMAT", "MXFP4_GROUP_SIZE"]
+           "vision_config_from_hf", "vision_config_to_hf", "declared_a_log_axis",
+           "A_LOG_PER_CHANNEL", "MXFP4_FORMAT", "MXFP4_GROUP_SIZE"]

@@ -7,7 +7,8 @@ plain loops over tokens / heads / time:
 
   §2  pre-norm RMSNorm (eps = rms_norm_eps) before each token mixer and MLP, final norm, head.
   §3  KDA: q,k,v projections → causal depthwise conv (taps within the document) + SiLU →
-      L2-normalised q,k (eps 1e-6 inside the sqrt), q·dk^-½ → per-channel decay g, β →
+      L2-normalised q,k (eps 1e-6 inside the sqrt), q·dk^-½ → per-channel decay g (A_log one
+      rate per head, or one per key channel shared by the heads: `kda_a_log_axis`), β →
       the delta-rule recurrence token by token (state reset at each document start) →
       per-head RMSNorm(o)·sigmoid(output gate) → o_proj.
   §4  Gated MLA (NoPE): explicit masked softmax per (head, query) over keys of its document.
@@ -112,7 +113,11 @@ def _kda(cfg, p, x, docs):
 
     z = np.einsum("tr,rhk->thk", xb @ _kernel(p, "f_a_proj"), _kernel(p, "f_b_proj"))
     arg = z + _f64(p["dt_bias"])                              # dt_bias [H,K]
-    rate = np.exp(_f64(p["A_log"]))[:, None]                  # [H,1]: one rate per head
+    if cfg.kda_a_log_axis == "head":
+      rate = np.exp(_f64(p["A_log"]))[:, None]                # [H,1]: one rate per head
+    else:
+      rate = np.exp(_f64(p["A_log"]))[None, :]                # [1,K]: one per key channel,
+                                                              # shared by the heads
     if cfg.kda_lower_bound is None:
       g = -rate * _softplus(arg)                              # Kimi Linear: unbounded
     else:

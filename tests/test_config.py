@@ -41,6 +41,8 @@ def test_kimi_linear_switches():
   assert c.kda_lower_bound is None and not c.full_rank_gates and c.attn_res_block_size is None
   assert c.latent_moe_dim is None and c.activation == "swiglu" and c.q_lora_rank is None
   assert [i + 1 for i, (m, _) in enumerate(c.layer_types()) if m == cfg.MLA] == [4, 8, 12, 16, 20, 24, 27]
+  # A_log one rate per head, in Kimi Linear and (until the release says otherwise) in K3
+  assert c.kda_a_log_axis == "head" and cfg.preset("k3").kda_a_log_axis == "head"
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -48,6 +50,8 @@ def test_kimi_linear_switches():
     (dict(experts_per_token=8), "experts_per_token"),
     (dict(activation="gelu"), "activation"),
     (dict(kda_lower_bound=-7.0), "kda_lower_bound"),
+    (dict(kda_a_log_axis="key"), r"kda_a_log_axis: expected 'head' \(A_log \[H\]\) or 'channel' "
+                                 r"\(A_log \[K\], shared by the heads\), found 'key'"),
     (dict(mla_query_block=0), "mla_query_block"),
     (dict(kda_chunk_size=24), "kda_chunk_size"),
     (dict(d_model=0), "d_model"),

@@ -92,13 +92,19 @@ def _rel_err(got, ref):
   return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
-def test_model_matches_float64_reference(name):
+@pytest.mark.parametrize("name,a_log_axis", [("tiny", "head"), ("tiny_kimi_linear", "head"),
+                                              ("tiny", "channel")])
+def test_model_matches_float64_reference(name, a_log_axis):
   """Packed, the jitted fp32 model = the float64 reference written from the spec alone, logits
   and MTP logits within REL_TOL of max|ref|. Dropless top-k is discontinuous, so the smallest
   gap between the k-th and (k+1)-th biased router score (every MoE layer, MTP included, every
-  token) must be far above fp32 rounding of the scores: no routing decision can flip."""
-  cfg, _, v, tok, fwd = setup(name)
+  token) must be far above fp32 rounding of the scores: no routing decision can flip.
+  "channel": A_log read as one decay rate per key channel shared by the heads ([K] = [16]
+  for tiny's 2 heads; the release's other reading)."""
+  overrides = {} if a_log_axis == "head" else {"kda_a_log_axis": a_log_axis}
+  cfg, _, v, tok, fwd = setup(name, **overrides)
+  assert v["params"]["layers_0"]["self_attn"]["A_log"].shape == (
+      cfg.kda_num_heads if a_log_axis == "head" else cfg.kda_head_dim,)
   mtp = bool(cfg.num_mtp_layers)
   logits, mtp_logits = _split(fwd(v, tok, PACKED))
   ref = reference_forward(cfg, v, tok, PACKED, mtp=mtp)

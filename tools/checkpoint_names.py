@@ -31,7 +31,8 @@ def define_flags() -> None:
     "target layout (default: kimi_k3 when the config uses any K3 feature)")
   flags.DEFINE_enum("expert_format", None, ["mxfp4", "bf16"],
     "routed experts (default: mxfp4 for kimi_k3)")
-  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "matmul weights' dtype")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
+    "dtype of the tensors the release stores in bf16 (the fp32 and uint8 ones stay so)")
   flags.DEFINE_enum("text_prefix", "auto", ["auto", "language_model", "bare"],
     "text tensor names (auto: language_model.* with a vision tower)")
   flags.DEFINE_bool("mtp", False, "include the MTP layer (k3jax_mtp.*; the release has none)")

@@ -3,7 +3,7 @@
   python -m tools.convert_from_pytorch --src HF_DIR --dst OUT_DIR \
       [--arch auto|kimi_linear|kimi_k3|kimi_k25] [--only all|vision] [--dtype float32|bfloat16] \
       [--allow_torch_pickle] [--skip_prefix PREFIX ...] [--check_only] [--mtp_seed 0] \
-      [--expert_format bf16|mxfp4] [--drop_mtp] [--workers N] \
+      [--expert_format bf16|mxfp4] [--drop_mtp] [--a_log auto|crop|channel] [--workers N] \
       [--process_index I --process_count N [--wait_timeout_s S]]
 
 HF_DIR holds config.json and model.safetensors, or shards named by
@@ -31,9 +31,23 @@ them see; process i converts its share and process 0 saves the checkpoint once e
 written. Resume: an interrupted conversion leaves `.DST_NAME.partial/` beside --dst; the same
 command skips what it completed (other flags or a changed source are refused).
 
+K3's A_log has 128 entries for 96 heads (K3_SPEC §12), and how to read them is not settled.
+--a_log=crop keeps the first 96 as the heads' rates (ModelConfig.kda_a_log_axis="head"),
+--a_log=channel all 128 as one rate per key dimension shared by the heads ("channel");
+--a_log=auto (default) crops when entries 96-127 are exactly zero in every layer, follows
+config.json's `a_log_per_channel` when a k3jax export wrote one, and otherwise stops with the
+values' statistics and both flags (docs/notes/convert.md, "When the converter stops on
+A_log"). The reading is printed and recorded in the result's config and conversion.json.
+
+Float tensors load whatever their float dtype (bf16, fp16, fp32), cast to the model's
+parameter dtypes; each conversion is printed by kind and listed in conversion.json, and a K3
+tensor in another dtype than the release's table (k3jax/convert/dtypes.py) is a warning.
+
 --check_only reads config.json, the index and every shard's header (no tensor data) and
-reports every missing, unexpected, mis-shaped and mis-typed tensor (exit status 1), or a
-one-line summary; --dst is not needed.
+reports every missing, unexpected, mis-shaped and mis-typed tensor (MXFP4 bytes not uint8, a
+non-float where a float belongs; exit status 1) or a one-line summary, with the dtype
+warnings; with --a_log=auto it also reads the A_log vectors (512 bytes each) to decide their
+reading; --dst is not needed. A conversion that stops on bad data prints why and exits 1.
 """
 
 from __future__ import annotations
@@ -67,6 +81,10 @@ flags.DEFINE_integer("process_index", 0, "this process's index in a multi-host c
 flags.DEFINE_integer("process_count", 1, "processes (hosts) converting together")
 flags.DEFINE_float("wait_timeout_s", None, "process 0: give up waiting for the other "
                    "processes' shares after this many seconds (default: wait)")
+flags.DEFINE_enum("a_log", "auto", ["auto", "crop", "channel"],
+                  "K3's 128-entry A_log: crop (first 96 = per-head rates), channel (128 per-key-"
+                  "dimension rates shared by the heads), auto (crop when entries 96-127 are "
+                  "zero, else stop and show them)")
 flags.DEFINE_bool("drop_mtp", False, "convert without the config's MTP layer (num_mtp_layers=0) "
                   "instead of initialising a fresh one")
 
@@ -87,13 +105,14 @@ def main(argv):
                   only=FLAGS.only, skip_prefix=FLAGS.skip_prefix, check_only=FLAGS.check_only,
                   mtp_seed=FLAGS.mtp_seed, workers=FLAGS.workers or min(8, os.cpu_count() or 1),
                   process_index=FLAGS.process_index, process_count=FLAGS.process_count,
-                  wait_timeout_s=FLAGS.wait_timeout_s,
+                  wait_timeout_s=FLAGS.wait_timeout_s, a_log=FLAGS.a_log,
                   **({"num_mtp_layers": 0} if FLAGS.drop_mtp else {}),
                   **({"expert_format": "mxfp4"} if FLAGS.expert_format == "mxfp4" else {}))
   except ValueError as e:
-    if not FLAGS.check_only:
-      raise
-    print(f"check failed ({time.perf_counter() - t0:.1f} s):\n{e}", file=sys.stderr)
+    # Bad data or a decision to make (--a_log): the message says what; a traceback would
+    # bury it.
+    what = "check failed" if FLAGS.check_only else "conversion stopped"
+    print(f"{what} ({time.perf_counter() - t0:.1f} s):\n{e}", file=sys.stderr)
     sys.exit(1)
   if FLAGS.check_only:
     print(f"check passed in {time.perf_counter() - t0:.1f} s")

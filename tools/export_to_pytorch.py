@@ -10,8 +10,13 @@ writes its `vision_tower.*` / `mm_projector.*` tensors (release names, --dtype) 
 `vision_config` in config.json; --only vision writes those alone.
 
 K3 experts are MXFP4-packed by default (`weight_packed` + `weight_scale`, groups of 32 along
-the input axis, low nibble first); K3's A_log is written with 128 entries (zero padding). fp32
-tensors (A_log, dt_bias, convs, norms, router) stay fp32 whatever --dtype says.
+the input axis, low nibble first); K3's A_log is written with 128 entries (zero padding past
+the heads), or whole ([kda_head_dim], + `a_log_per_channel: true` in config.json) when the
+checkpoint reads it per key channel (`convert_from_pytorch --a_log=channel`). Dtypes come
+from the release's table (k3jax/convert/dtypes.py, each entry with its source): A_log,
+dt_bias, the short convs, o_norm and the router bias fp32, everything else — the router
+matrices included, as the release's published size shows — in --dtype (bf16 by default, as
+released; float32 writes fp32 masters exactly).
 
 Names and files are the release's (K3_SPEC §12): `language_model.model.*` +
 `language_model.lm_head.weight` with a vision tower, bare `model.*` + `lm_head.weight`
@@ -33,7 +38,8 @@ flags.DEFINE_enum("arch", None, ["kimi_linear", "kimi_k3"],
                   "target layout (default: kimi_k3 when the config uses any K3 feature)")
 flags.DEFINE_enum("expert_format", None, ["mxfp4", "bf16"],
                   "K3 routed experts: MXFP4-packed (default for kimi_k3) or unquantised")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "storage dtype of matmul weights")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
+                  "dtype of the tensors the release stores in bf16 (the fp32 ones stay fp32)")
 flags.DEFINE_float("max_shard_gb", 4.0, "shard size limit (GiB)")
 flags.DEFINE_enum("only", "all", ["all", "vision"],
                   "all: everything the checkpoint holds; vision: the vision tower + projector")

@@ -7,9 +7,11 @@ converter can validate a checkpoint (names, shapes, dtypes) before reading a sin
 
 Kinds (PyTorch → ours, for one slice):
   linear     W [out, in] → W.T reshaped to our kernel slice ([in axes…, out axes…])
-  copy       same values, reshaped (norm weights, dt_bias [H·K] → [H,K], A_log [1,1,H,1] → [H])
+  copy       same values, reshaped (norm weights, dt_bias [H·K] → [H,K], A_log [1,1,H,1] → [H],
+             K3's A_log [K] read per key channel → [K])
   conv       [C, 1, W] → [W, H, K] (tap W−1 multiplies the current token on both sides)
-  a_log_pad  K3's A_log [P ≥ H] (first H real, zero padding) → [H]
+  a_log_pad  K3's A_log [P ≥ H] read per head: the first H entries → [H] (the rest is padding;
+             `pipeline.resolve_a_log` decides the reading and reports any non-zero entry dropped)
   patch_conv the vision tower's patch conv [D, C, P, P] → [C·P·P, D]
   +mx        MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] decoded first
   u8         bytes kept as they are: with ModelConfig.expert_format="mxfp4" each MXFP4 expert
@@ -34,9 +36,13 @@ import re
 import numpy as np
 
 from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig
+from k3jax.convert.dtypes import export_dtype
 from k3jax.quant import mx
 
-A_LOG_PAD = 128   # K3 stores A_log with 128 entries (96 real heads + 32 zeros)
+# K3 stores A_log with 128 entries for 96 heads (§12): read per head, the first 96 (the rest
+# zero padding, re-padded on export); read per key channel (kda_a_log_axis="channel"), all
+# kda_head_dim = 128 of them.
+A_LOG_PAD = 128
 ARCHS = ("kimi_linear", "kimi_k3")
 # Text tensors are `{prefix}model.*` + `{prefix}lm_head.weight` with one of these prefixes
 # (§12): the release's multimodal spelling, or the bare text-only one (what a text-only
@@ -111,9 +117,11 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
           f"{a}.g_a_proj.weight", (r, d))
       add("params", (a, "g_b_proj", "kernel"), (r, h, k), "linear", False,
           f"{a}.g_b_proj.weight", (hk, r))
-    if c.kda_lower_bound is None:   # Kimi Linear: A_log [1,1,H,1]
+    if c.kda_a_log_axis == "channel":   # one rate per key channel, shared by the heads
+      add("params", (a, "A_log"), (k,), "copy", True, f"{a}.A_log", (k,))
+    elif c.kda_lower_bound is None:     # Kimi Linear: A_log [1,1,H,1]
       add("params", (a, "A_log"), (h,), "copy", True, f"{a}.A_log", (1, 1, h, 1))
-    else:                           # K3: A_log padded to 128 entries
+    else:                               # K3 per head: A_log padded to 128 entries
       add("params", (a, "A_log"), (h,), "a_log_pad", True, f"{a}.A_log", (max(A_LOG_PAD, h),))
     add("params", (a, "dt_bias"), (h, k), "copy", True, f"{a}.dt_bias", (hk,))
     add("params", (a, "o_norm"), (k,), "copy", True, f"{a}.o_norm.weight", (k,))
@@ -236,6 +244,9 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None,
     raise ValueError(f"expert_format: expected 'mxfp4' or 'bf16', found {expert_format!r}")
   if arch == "kimi_linear" and expert_format == "mxfp4":
     raise ValueError("expert_format: Kimi Linear checkpoints store experts unquantised ('bf16')")
+  if arch == "kimi_linear" and c.kda_a_log_axis != "head":
+    raise ValueError(f"kda_a_log_axis: Kimi Linear stores A_log per head ([1,1,H,1]); "
+                     f"{c.kda_a_log_axis!r} needs the K3 layout (arch 'kimi_k3')")
   text_prefix = default_text_prefix(c) if text_prefix is None else text_prefix
   if text_prefix not in TEXT_PREFIXES:
     raise ValueError(f"text_prefix: expected one of {list(TEXT_PREFIXES)}, found {text_prefix!r}")
@@ -304,6 +315,18 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None,
                        f"not {expert_format!r}")
     out = [part for leaf in out for part in (_split_packed(leaf) if leaf.mx else (leaf,))]
   return out
+
+
+def a_log_names(c: ModelConfig, text_prefix: str) -> list[str]:
+  """The K3 A_log tensors of `c`'s KDA layers in the per-head layout (kind `a_log_pad`: [P ≥ H],
+  P = 128 for the release), whose values decide how they are read; [] when A_log is Kimi
+  Linear's [1,1,H,1]. Only the per-layer map is built (the full `leaves` of the release takes
+  seconds)."""
+  items = _layer_items(c.replace(kda_a_log_axis="head"), KDA, MOE, False, "bf16")
+  if next(it[3] for it in items if it[1] == ("self_attn", "A_log")) != "a_log_pad":
+    return []
+  return [f"{text_prefix}model.layers.{i}.self_attn.A_log"
+          for i, (mixer, _) in enumerate(c.layer_types()) if mixer == KDA]
 
 
 def _split_packed(leaf: Leaf) -> tuple[Leaf, Leaf]:
@@ -375,33 +398,26 @@ def _natural_key(name: str):
   return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def export_dtype(leaf: Leaf, kind: str, store) -> np.dtype:
-  """The dtype export writes for one tensor of `leaf`: uint8 for MXFP4 pairs, float32 for the
-  leaves kept in fp32 (vectors, norms, router, decay parameters), `store` for the rest."""
-  if kind == "uint8":
-    return np.dtype(np.uint8)
-  return np.dtype(np.float32) if leaf.fp32 else np.dtype(store)
-
-
 def tensor_plan(leaves_: list[Leaf], store) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
   """[(name, dtype, shape)] of every tensor export writes for `leaves_`, in natural name
-  order (layers.2 before layers.10), matmul weights in `store`. Nothing is allocated."""
-  plan = [(name, export_dtype(leaf, kind, store), tuple(shape))
+  order (layers.2 before layers.10); dtypes from the release's table (`dtypes.export_dtype`:
+  uint8 MXFP4 bytes, the fp32 vectors, the rest in `store`). Nothing is allocated."""
+  plan = [(name, export_dtype(name, store), tuple(shape))
           for leaf in leaves_ for slot in leaf.slots
-          for name, shape, kind in zip(slot.names, slot.shapes, slot.dtypes)]
+          for name, shape in zip(slot.names, slot.shapes)]
   plan.sort(key=lambda e: _natural_key(e[0]))
   return plan
 
 
 # ---------------------------------------------------------------------- slice transforms
-def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32,
-            names: tuple[str, ...] = ()) -> np.ndarray:
+def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32) -> np.ndarray:
   """One slot's PyTorch array(s) → slice of shape leaf.slice_shape in `dtype`.
 
   The layout change happens in the source dtype and the cast last, so a bf16 tensor stored as
   bf16 costs one extra copy of itself (not two float32 ones): peak ≈ 2× the tensor.
-  `names` (the slot's tensor names) only label errors. K3's A_log [P] must be zero past the
-  head count: non-zero padding is a ValueError naming the tensor and the values (§12).
+  K3's A_log [P] read per head keeps its first H entries: the converter has decided that
+  reading, and reported any non-zero entry it drops, before a slot is converted
+  (`pipeline.resolve_a_log`, §12).
   """
   w = mx.mxfp4_unpack(arrays[0], arrays[1], np.float32) if leaf.mx else np.asarray(arrays[0])
   shape = leaf.slice_shape
@@ -412,13 +428,6 @@ def to_ours(leaf: Leaf, arrays: list[np.ndarray], dtype=np.float32,
   elif leaf.kind == "conv":
     w = w[:, 0, :].T.reshape(shape)
   elif leaf.kind == "a_log_pad":
-    pad = np.asarray(w[shape[0]:], np.float32)
-    if pad.any():
-      nz = np.flatnonzero(pad)
-      vals = ", ".join(f"[{shape[0] + i}]={float(pad[i])!r}" for i in nz[:8])
-      raise ValueError(f"{names[0] if names else 'A_log'}: entries past the {shape[0]} heads "
-                       f"must be zero padding, found {len(nz)} non-zero: {vals}"
-                       f"{' …' if len(nz) > 8 else ''}")
     w = w[:shape[0]]
   elif leaf.kind == "patch_conv":
     w = w.reshape(w.shape[0], -1).T
@@ -481,8 +490,7 @@ def transpose_into(dest: np.ndarray, src: np.ndarray, tile: int = TRANSPOSE_TILE
       np.copyto(dest[j:j + tile, i:i + tile], src[i:i + tile, j:j + tile].T, casting="unsafe")
 
 
-def to_ours_into(dest: np.ndarray, leaf: Leaf, arrays: list[np.ndarray],
-                 names: tuple[str, ...] = ()) -> None:
+def to_ours_into(dest: np.ndarray, leaf: Leaf, arrays: list[np.ndarray]) -> None:
   """`to_ours` written straight into `dest` (a C-contiguous view of shape leaf.slice_shape):
   a Linear weight [out, in] is transposed and cast in one tiled pass (`transpose_into`), an
   MXFP4 one decoded by table lookups (`decode_mxfp4`) first; no other intermediate copy."""
@@ -492,11 +500,12 @@ def to_ours_into(dest: np.ndarray, leaf: Leaf, arrays: list[np.ndarray],
   elif leaf.kind in ("copy", "u8") and dest.flags.c_contiguous:
     np.copyto(dest.reshape(-1), np.asarray(arrays[0]).reshape(-1), casting="unsafe")
   else:
-    dest[...] = to_ours(leaf, arrays, dest.dtype, names)
+    dest[...] = to_ours(leaf, arrays, dest.dtype)
 
 
 def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
-  """One slice of ours → the PyTorch array(s) of `slot` (packed+scale for MXFP4)."""
+  """One slice of ours → the PyTorch array(s) of `slot`: packed + scale bytes for MXFP4, else
+  one array in `dtype` (the slot's export dtype, `tensor_plan`)."""
   if leaf.kind == "u8":
     return [np.ascontiguousarray(np.asarray(x).reshape(slot.shapes[0]))]
   x = np.asarray(x, np.float32)
@@ -521,13 +530,13 @@ def from_ours(leaf: Leaf, slot: Slot, x: np.ndarray, dtype) -> list[np.ndarray]:
     return [np.ascontiguousarray(np.asarray(x).reshape(tshape))]
   else:
     raise ValueError(f"unknown kind {leaf.kind!r}")
-  return [np.ascontiguousarray(w.astype(np.float32 if leaf.fp32 else dtype))]
+  return [np.ascontiguousarray(w.astype(dtype))]
 
 
 def slot_nbytes(slot: Slot) -> int:
   return sum(math.prod(s) for s in slot.shapes)
 
 
-__all__ = ["Leaf", "Slot", "leaves", "vision_leaves", "check_paths", "model_paths", "to_ours",
-           "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX", "MTP_PREFIX",
-           "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan", "export_dtype"]
+__all__ = ["Leaf", "Slot", "leaves", "a_log_names", "vision_leaves", "check_paths", "model_paths",
+           "to_ours", "from_ours", "A_LOG_PAD", "ARCHS", "TEXT_PREFIXES", "MULTIMODAL_PREFIX",
+           "MTP_PREFIX", "default_text_prefix", "detect_text_prefix", "is_mtp", "tensor_plan"]

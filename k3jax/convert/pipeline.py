@@ -8,7 +8,11 @@ only when complete, so an interrupted run never leaves a directory that looks li
 checkpoint.
 
 export(src, dst): the inverse, to sharded safetensors + index + config.json (MXFP4 or unquantised
-experts; K3's A_log padded to 128), also via a temporary directory.
+experts; K3's A_log padded to 128 when read per head, whole when read per key channel), also
+via a temporary directory.
+
+K3's A_log has 128 entries for 96 heads (§12): how to read them is decided before anything is
+converted (`resolve_a_log`, --a_log auto|crop|channel) and recorded.
 
 A config with a vision tower (`ModelConfig.vision`) converts and exports its 168 (MoonViT-V2)
 `vision_tower.*` / `mm_projector.*` tensors with the text model (`names.vision_leaves`);
@@ -33,6 +37,7 @@ from k3jax import hf_config
 from k3jax.config import ModelConfig
 from k3jax.convert import names as N
 from k3jax.convert import streaming
+from k3jax.convert.dtypes import release_dtype, release_rule
 from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir
 from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
 
@@ -56,16 +61,20 @@ def _fmt_list(items: list, limit: int = 20) -> str:
   return "\n  " + s + more
 
 
-# Tensors the release stores in float32 (§9): a K3 source with another dtype for these is
-# mis-typed (the values would already have been rounded).
-_K3_FP32 = re.compile(r"(A_log|dt_bias|_conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+# ml_dtypes' float types (numpy's dtype.kind is not "f" for them).
 _FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
-def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str]]:
+def _is_float(dt: np.dtype) -> bool:
+  return dt.kind == "f" or dt.name in _FLOATS
+
+
+def problems(infos: dict, leaves: list[N.Leaf]) -> dict[str, list[str]]:
   """Every difference between a checkpoint's tensors (`infos`: name → TensorInfo, headers
   only) and what `leaves` expect: {"missing", "unexpected", "shape", "dtype"} → lines naming
-  each tensor with the expected and found value. Nothing is read but the headers."""
+  each tensor with the expected and found value. A float tensor may have any float dtype
+  (`dtype_report` lists conversions and departures from the release's table); MXFP4 bytes must
+  be uint8. Nothing is read but the headers."""
   expected = {}
   for leaf in leaves:
     for slot in leaf.slots:
@@ -74,7 +83,7 @@ def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str
   out = {"missing": sorted((n for n in expected if n not in infos), key=N._natural_key),
          "unexpected": sorted((n for n in infos if n not in expected), key=N._natural_key),
          "shape": [], "dtype": []}
-  u8, f32 = np.dtype(np.uint8), np.dtype(np.float32)
+  u8 = np.dtype(np.uint8)
   for name, (shape, kind) in expected.items():
     info = infos.get(name)
     if info is None:
@@ -86,13 +95,43 @@ def problems(infos: dict, leaves: list[N.Leaf], arch: str) -> dict[str, list[str
     if kind == "uint8":
       if dt is not u8 and dt != u8:
         out["dtype"].append(f"{name}: expected dtype uint8 (MXFP4), found {dt}")
-    elif dt.kind != "f" and dt.name not in _FLOATS:
+    elif not _is_float(dt):
       out["dtype"].append(f"{name}: expected a float dtype, found {dt}")
-    elif dt != f32 and arch == "kimi_k3" and _K3_FP32.search(name):
-      out["dtype"].append(f"{name}: expected float32 (the release keeps it in fp32), found {dt}")
   out["shape"].sort(key=N._natural_key)
   out["dtype"].sort(key=N._natural_key)
   return out
+
+
+def dtype_report(infos: dict, leaves: list[N.Leaf], arch: str,
+                 store: np.dtype) -> tuple[dict[str, list[str]], list[str]]:
+  """How a checkpoint's float tensors load, from the headers: (conversions, warnings).
+
+  conversions: {"<found> -> <stored>": [names]}, every float tensor whose dtype differs from
+  what the model keeps it as (`streaming.storage_dtype`: float32 for vectors, norms and the
+  router, `store` for matmul weights). warnings (K3 only): one line per float tensor whose
+  dtype differs from the release's table (`dtypes.RELEASE_DTYPES`): loaded all the same, since
+  the small tensors' dtypes are partly a guess (§12). MXFP4 bytes (decoded or kept) and tensors
+  absent from `infos` are `problems`' business.
+  """
+  conversions: dict[str, list[str]] = {}
+  warnings = []
+  for leaf in leaves:
+    if leaf.mx or leaf.kind == "u8":
+      continue
+    stored = streaming.storage_dtype(leaf, store)
+    for slot in leaf.slots:
+      for name in slot.names:
+        info = infos.get(name)
+        if info is None or not _is_float(info.dtype):
+          continue
+        if info.dtype != stored:
+          conversions.setdefault(f"{info.dtype.name} -> {stored.name}", []).append(name)
+        if arch == "kimi_k3" and info.dtype != (table := release_dtype(name)):
+          warnings.append(f"{name}: {info.dtype.name}, the release's table says {table.name} "
+                          f"({release_rule(name).source}); loaded as {stored.name}")
+  for names in conversions.values():
+    names.sort(key=N._natural_key)
+  return dict(sorted(conversions.items())), sorted(warnings, key=N._natural_key)
 
 
 def report(found: dict[str, list[str]], limit: int = 20) -> str:
@@ -106,7 +145,7 @@ def report(found: dict[str, list[str]], limit: int = 20) -> str:
 
 def validate(infos: dict, leaves: list[N.Leaf], arch: str, where: str) -> None:
   """Raise ValueError listing missing / unexpected / wrong-shape / wrong-dtype tensors."""
-  text = report(problems(infos, leaves, arch))
+  text = report(problems(infos, leaves))
   if text:
     raise ValueError(f"checkpoint {where!r} does not match its config.json ({arch}):\n{text}")
 
@@ -167,13 +206,100 @@ def _skip(infos: dict, skip_prefix: tuple[str, ...]) -> tuple[dict, list[str]]:
   return {n: i for n, i in infos.items() if not n.startswith(skip_prefix)}, skipped
 
 
-def _check_a_log_padding(source: Source, leaves: list[N.Leaf]) -> None:
-  """K3's A_log [128] must be zero past the real heads (ValueError naming the tensor and the
-  values, from `names.to_ours`): checked for every layer before a conversion writes."""
-  for leaf in leaves:
-    if leaf.kind == "a_log_pad":
-      for slot in leaf.slots:
-        N.to_ours(leaf, [source.get(n) for n in slot.names], np.float32, slot.names)
+# ---------------------------------------------------------------------- A_log's reading
+# --a_log: how K3's 128-entry A_log is read for 96 heads (§12; docs/notes/convert.md, "When the
+# converter stops on A_log"): "crop" keeps the first H entries as the heads' rates
+# (kda_a_log_axis "head"), "channel" takes all of them as one rate per key dimension shared by
+# the heads ("channel"), "auto" follows config.json's `a_log_per_channel` when it has one (a
+# k3jax export) and otherwise crops only when every entry past the heads is exactly zero.
+A_LOG_FLAGS = ("auto", "crop", "channel")
+_AXIS = {"crop": "head", "channel": "channel"}
+_READING = {"head": "crop", "channel": "channel"}
+
+
+def _stats(x: np.ndarray) -> str:
+  x = np.asarray(x, np.float64)
+  return f"mean {x.mean():.4g}, std {x.std():.4g}, min {x.min():.4g}, max {x.max():.4g}"
+
+
+def _layer_of(name: str) -> str:
+  m = re.search(r"layers\.(\d+)\.", name)
+  return f"layer {m.group(1)}" if m else name
+
+
+def resolve_a_log(flag: str, declared: str | None, config: ModelConfig, source: Source,
+                  infos: dict, names: list[str]) -> tuple[str, dict]:
+  """The axis K3's A_log is read along (`ModelConfig.kda_a_log_axis`) and the record of the
+  decision for the log and conversion.json: {"reading": "crop" | "channel" ("head" for Kimi
+  Linear's layout), "kda_a_log_axis", "decided_by"[, "layers", "dropped"]}.
+
+  flag: --a_log (A_LOG_FLAGS). declared: config.json's `a_log_per_channel` as an axis, or None
+  (the release says nothing). names: the A_log tensors (`names.a_log_names`, [] for Kimi
+  Linear's layout); each one present with one axis is read (512 bytes each for the release),
+  the others are left to `validate`'s report. "auto" without a declaration crops when every
+  entry past the heads is exactly zero and otherwise stops with a ValueError showing the
+  values' statistics and both flags; an explicit "crop" drops non-zero entries, counted in the
+  record ("dropped"). A flag that contradicts the declaration is a ValueError.
+  """
+  if flag not in A_LOG_FLAGS:
+    raise ValueError(f"--a_log: expected one of {list(A_LOG_FLAGS)}, found {flag!r}")
+  if not names:   # Kimi Linear's A_log [1,1,H,1]: one rate per head, nothing to decide
+    if flag != "auto":
+      raise ValueError(f"--a_log={flag}: applies to K3's 128-entry A_log; this checkpoint "
+                       "stores A_log per head ([1,1,H,1], Kimi Linear)")
+    axis = declared or "head"
+    return axis, {"reading": "head" if axis == "head" else "channel", "kda_a_log_axis": axis,
+                  "decided_by": "the layout: A_log [1,1,H,1], one rate per head"}
+  if declared is not None and flag != "auto" and _AXIS[flag] != declared:
+    raise ValueError(
+        f"--a_log={flag} contradicts config.json: linear_attn_config.a_log_per_channel is "
+        f"{str(declared == 'channel').lower()} (A_log read per {declared}); pass --a_log=auto "
+        f"or --a_log={_READING[declared]}")
+  h, k = config.kda_num_heads, config.kda_head_dim
+  values = [(n, source.get(n)) for n in names if n in infos and len(infos[n].shape) == 1]
+  nonzero = [(n, a) for n, a in values if np.any(a[h:])]
+  record: dict = {"layers": len(values)}
+  if flag != "auto":
+    axis, record["decided_by"] = _AXIS[flag], f"--a_log={flag}"
+  elif declared is not None:
+    axis, record["decided_by"] = declared, "config.json: linear_attn_config.a_log_per_channel"
+  elif not nonzero:
+    axis = "head"
+    record["decided_by"] = (f"--a_log=auto: the entries past the {h} heads are zero in all "
+                            f"{len(values)} KDA layers")
+  else:
+    name, a = nonzero[0]
+    p = a.shape[0]
+    channel = (f"the {p} values are one decay rate per key dimension, shared by the {h} heads; "
+               "nothing is dropped" if p == k else
+               f"not possible here: it needs {k} entries (kda_head_dim), found {p}")
+    raise ValueError(
+        f"A_log: {name} has {p} entries for {h} heads, and entries {h}–{p - 1} are not zero "
+        f"padding (non-zero in {len(nonzero)} of {len(values)} KDA layers), so reading it is a "
+        f"decision the converter does not make for you.\n"
+        f"  {_layer_of(name)}, entries {h}–{p - 1}: {_stats(a[h:])} "
+        f"({np.count_nonzero(a[h:])} of {p - h} non-zero)\n"
+        f"  {_layer_of(name)}, all {p} entries: {_stats(a)}\n"
+        f"Convert again with one of:\n"
+        f"  --a_log=channel  {channel}\n"
+        f"  --a_log=crop     the first {h} values are the heads' rates; entries {h}–{p - 1} are "
+        f"dropped (counted in the log and conversion.json)\n"
+        f"(docs/notes/convert.md, \"When the converter stops on A_log\")")
+  if axis == "head" and nonzero:
+    dropped = np.concatenate([a[h:] for _, a in nonzero]).astype(np.float64)
+    record["dropped"] = {"layers": len(nonzero), "nonzero_entries": int(np.count_nonzero(dropped)),
+                         "max_abs": float(np.abs(dropped).max())}
+  return axis, {"reading": _READING[axis], "kda_a_log_axis": axis, **record}
+
+
+def _a_log_line(record: dict) -> str:
+  """One log line for `resolve_a_log`'s record."""
+  line = f"A_log: read as {record['reading']} ({record['decided_by']})"
+  if "dropped" in record:
+    d = record["dropped"]
+    line += (f"; dropped {d['nonzero_entries']} non-zero entries past the heads in "
+             f"{d['layers']} layer(s), max |value| {d['max_abs']:.4g}")
+  return line
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "auto",
@@ -181,13 +307,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
             log: Callable[[str], None] = print, only: str = "all",
             skip_prefix: tuple[str, ...] | list[str] = (), check_only: bool = False,
             mtp_seed: int = 0, workers: int = 1, process_index: int = 0,
-            process_count: int = 1, wait_timeout_s: float | None = None,
+            process_count: int = 1, wait_timeout_s: float | None = None, a_log: str = "auto",
             **config_overrides) -> pathlib.Path | None:
   """Convert a PyTorch checkpoint directory into a k3jax checkpoint at `dst`. Returns `dst`
   (None for --check_only, and for processes other than 0 of a multi-process conversion).
 
   dtype: storage of matmul weights ("float32" or "bfloat16"); norms, A_log, dt_bias, convs and
-  the router stay float32 whatever it says; vision tensors follow it.
+  the router stay float32 whatever it says; vision tensors follow it. Source float tensors may
+  be in any float dtype (bf16, fp16, fp32, fp8): each one converted is logged by kind and
+  listed in `dst/conversion.json` ("dtype_conversions"); a K3 tensor whose dtype differs from
+  the release's table (k3jax/convert/dtypes.py) is a warning ("dtype_warnings"), never an
+  error. MXFP4 pairs must be uint8 with their exact shapes.
   only: "all" (text model, and the vision tower when config.json has a vision_config) or
   "vision" (the tower + projector alone, `k3jax.convert.vision.convert_vision`; arch
   kimi_k3 or kimi_k25, "auto" reads config.json's model_type).
@@ -195,11 +325,17 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   skip_prefix: source tensors whose names start with one of these are left out (reported);
   any other tensor the config does not use is an error. Skipping `vision_tower.` and
   `mm_projector.` converts the text model alone (the vision tower is dropped from the config).
+  a_log: how K3's 128-entry A_log is read (`resolve_a_log`, A_LOG_FLAGS): "auto" (crop when
+  the entries past the heads are zero, else stop with their statistics), "crop" (per head) or
+  "channel" (per key dimension, shared by the heads). The reading becomes the result's
+  `kda_a_log_axis`; it is logged and recorded in `dst/conversion.json` ("a_log"), with a count
+  of any non-zero entry "crop" drops.
   MTP: the release has no MTP tensors. When the config has an MTP layer and the source holds
   none of its `k3jax_mtp.*` tensors, the layer is initialised as `K3Model.init` does (seed
   `mtp_seed`), reported through `log` and in `dst/conversion.json`.
-  check_only: read config.json, the index and every shard's header (no tensor data), report
-  every problem (ValueError) or log a summary; nothing is written and `dst` is not used.
+  check_only: read config.json, the index and every shard's header (no tensor data but K3's
+  A_log vectors, 512 bytes each, when `a_log` is "auto"), report every problem (ValueError) or
+  log a summary; nothing is written and `dst` is not used.
   workers: processes converting at once (1: this process, plus workers − 1 spawned); the
   leaves are split into parts (`process_count × workers`, × PARTS_PER_WORKER when workers > 1;
   fixed when the conversion starts), each written straight into the checkpoint by one worker
@@ -234,8 +370,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     if only != "vision":
       raise ValueError("--arch kimi_k25: only the vision tower converts (pass --only vision); "
                        "the K2.5 text model (DeepSeek-V3 layout) is not a k3jax model")
-    if check_only or skip_prefix:
-      raise ValueError("--only vision: --check_only and --skip_prefix apply to full conversions")
+    if check_only or skip_prefix or a_log != "auto":
+      raise ValueError("--only vision: --check_only, --skip_prefix and --a_log apply to full "
+                       "conversions")
     if arch == "auto":
       arch = d.get("model_type") if d.get("model_type") in ARCHS else "?"
       if arch == "?":
@@ -247,6 +384,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     return convert_vision(src, dst, arch=arch, dtype=dtype,
                           allow_torch_pickle=allow_torch_pickle, progress=progress, log=log)
   arch = resolve_arch(d, arch)
+  if "kda_a_log_axis" in config_overrides:
+    raise ValueError("kda_a_log_axis: K3's A_log reading is chosen with --a_log "
+                     f"({'|'.join(A_LOG_FLAGS)}), not a config override")
   config = hf_config.from_hf_config(d, **{"param_dtype": dtype, "dtype": dtype,
                                           **config_overrides})
   for key, why in hf_config.ignored_keys(d).items():
@@ -272,12 +412,26 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     raise ValueError("--expert_format mxfp4 keeps the source's MXFP4 bytes, but its "
                      "config.json has no quantization_config: its experts are unquantised "
                      "(convert with --expert_format bf16)")
+  axis, a_log_record = resolve_a_log(a_log, hf_config.declared_a_log_axis(d), config, source,
+                                     infos, N.a_log_names(config, text_prefix))
+  config = config.replace(kda_a_log_axis=axis)
+  log(_a_log_line(a_log_record))
   leaves = N.leaves(config, arch, source_experts, text_prefix=text_prefix)
   mtp_names = {n for leaf in leaves if N.is_mtp(leaf) for s in leaf.slots for n in s.names}
   new_mtp = bool(mtp_names) and not any(n in infos for n in mtp_names)
   if new_mtp:   # the release: no MTP tensors at all (some but not all is a `missing` error)
     leaves = [leaf for leaf in leaves if not N.is_mtp(leaf)]
+  store = STORE[dtype]
+  conversions, dtype_warnings = dtype_report(infos, leaves, arch, store)
+  if dtype_warnings:
+    log(f"warning: {len(dtype_warnings)} float tensor(s) in another dtype than the release's "
+        f"table (k3jax/convert/dtypes.py) — loaded and converted all the same:"
+        f"{_fmt_list(dtype_warnings)}")
   validate(infos, leaves, arch, str(source.dir))
+  if conversions:
+    log(f"dtypes: {sum(map(len, conversions.values()))} float tensor(s) converted to the "
+        "model's parameter dtypes (" + ", ".join(f"{k} ×{len(v)}" for k, v in conversions.items())
+        + ")" + ("" if check_only else "; each listed in conversion.json"))
   n_tensors = sum(len(s.names) for leaf in leaves for s in leaf.slots)
   total = sum(infos[n].nbytes for leaf in leaves for s in leaf.slots for n in s.names)
   mtp_note = (f"the source has no MTP tensors; the config's MTP layer is initialised as "
@@ -301,9 +455,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   map_checked = checker.submit(check_map)
   checker.shutdown(wait=False)
 
-  store = STORE[dtype]
   source_bytes = [sum(infos[n].nbytes for s in leaf.slots for n in s.names) for leaf in leaves]
-  _check_a_log_padding(source, leaves)   # a value check: before anything is written
   stage = streaming.Stage.of(dst)
   plan, resumed = streaming.open_stage(stage, {
       "version": streaming.PLAN_VERSION, "source_files": streaming.fingerprint(source),
@@ -343,7 +495,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
             "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
             "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
             "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
-            "mtp_note": mtp_note, "parts": n_parts, "resumed": resumed}
+            "mtp_note": mtp_note, "a_log": a_log_record, "dtype_conversions": conversions,
+            "dtype_warnings": dtype_warnings, "parts": n_parts, "resumed": resumed}
     log(f"writing orbax checkpoint ({len(leaves)} leaves)")
     streaming.save(stage, config, leaves, store, n_parts, in_memory, meta, dst)
   except ValueError:
@@ -381,6 +534,9 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
   `model.safetensors.index.json` + config.json (with the release's `quantization_config` when
   experts are MXFP4).
 
+  Dtypes are the release's table (`dtypes.RELEASE_DTYPES`: uint8 MXFP4 bytes, fp32 A_log,
+  dt_bias, convs, o_norm and router bias, everything else — router included — bf16), the bf16
+  entries written in `dtype` (float32: fp32 masters exactly).
   Names are the release's (§12): `language_model.model.*` / `language_model.lm_head.weight`
   when the config has a vision tower, bare `model.*` / `lm_head.weight` otherwise
   (`text_prefix` "language_model." or "" overrides). The release has no MTP tensors, so the
@@ -445,10 +601,10 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
         leaf, slot, k = where[name]
         if name not in pending:
           x = np.asarray(_get(variables, (leaf.collection,) + leaf.path))[slot.index]
-          for n2, a in zip(slot.names, N.from_ours(leaf, slot, x, store)):
+          for n2, a in zip(slot.names, N.from_ours(leaf, slot, x, dt)):
             pending[n2] = a
         a = pending.pop(name)
-        writer.write(name, a.astype(dt, copy=False))
+        writer.write(name, a)
         bar.update(a.nbytes)
     writer.close()
     cfg = hf_config.to_hf_config(config, arch, expert_format)

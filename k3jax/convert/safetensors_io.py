@@ -220,7 +220,9 @@ def read_config(src: pathlib.Path) -> dict:
 
 
 # ---------------------------------------------------------------------- writing
-def _header_bytes(entries: list[tuple[str, np.dtype, tuple]], metadata: dict | None) -> bytes:
+def header_bytes(entries: list[tuple[str, np.dtype, tuple]], metadata: dict | None) -> bytes:
+  """A safetensors header (length prefix + JSON, padded) for tensors (name, dtype, shape)
+  laid out back to back in `entries` order."""
   header, off = {}, 0
   for name, dtype, shape in entries:
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -279,7 +281,7 @@ class ShardedWriter:
       if self._fh:
         self._fh.close()
       self._fh = open(self.dir / self.files[shard], "wb")
-      self._fh.write(_header_bytes(self.shards[shard], self.metadata))
+      self._fh.write(header_bytes(self.shards[shard], self.metadata))
       self._open_shard = shard
     self._fh.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     self._next += 1
@@ -303,7 +305,7 @@ def write_file(path: str | os.PathLike, tensors: dict[str, np.ndarray],
   path = pathlib.Path(path)
   entries = [(n, a.dtype, a.shape) for n, a in tensors.items()]
   with open(path, "wb") as f:
-    f.write(_header_bytes(entries, {"format": "pt", **(metadata or {})}))
+    f.write(header_bytes(entries, {"format": "pt", **(metadata or {})}))
     for a in tensors.values():
       f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 

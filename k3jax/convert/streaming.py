@@ -219,7 +219,7 @@ def write_leaf(t, leaf: N.Leaf, source, store: np.dtype, progress: Callable[[int
       buf = raw[0].reshape(leaf.slice_shape)     # packed bytes kept as they are: no copy
     else:
       buf = np.empty(leaf.slice_shape, store)
-      N.to_ours_into(buf, leaf, raw, slot.names)
+      N.to_ours_into(buf, leaf, raw)
     # `buf` is never modified again: tensorstore may keep it instead of copying it.
     t.with_transaction(txn)[slot.index].write(
         buf, can_reference_source_data_indefinitely=True).result()

@@ -47,7 +47,7 @@ GLOBAL_OPTIONS, TURN_OPTIONS = "options", "turn_options"
 _MARKER_RE = re.compile("|".join(re.escape(m) for m in MARKERS))
 
 
-def _json(value) -> str:
+def canonical_json(value) -> str:
   """Compact canonical JSON (sorted keys, UTF-8 kept); NaN/inf refused."""
   try:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"),
@@ -59,7 +59,7 @@ def _json(value) -> str:
 def _normalise_json(value, what: str):
   """The value as JSON would give it back (tuples → lists): equality survives a round trip."""
   try:
-    return json.loads(_json(value))
+    return json.loads(canonical_json(value))
   except ValueError as e:
     raise ValueError(f"{what}: {e}") from None
 
@@ -114,7 +114,7 @@ class Options:
       d["effort"] = self.effort
     if self.tools:
       d["tools"] = [dataclasses.asdict(t) for t in self.tools]
-    return _json(d)
+    return canonical_json(d)
 
   @classmethod
   def from_json(cls, text: str) -> "Options":
@@ -191,7 +191,7 @@ def render_message(m: Message, where: str = "message") -> str:
   parts = []
   for name, value in (("think", m.think), ("response", m.content),
                       ("tools", None if m.tool_calls is None else
-                       _json([dataclasses.asdict(c) for c in m.tool_calls]))):
+                       canonical_json([dataclasses.asdict(c) for c in m.tool_calls]))):
     if value is not None:
       parts.append(f"{OPEN}{name}{SEP}{_text(value, f'{where} (assistant {name})')}{CLOSE}")
   return _block("assistant", "".join(parts))
@@ -368,4 +368,4 @@ def parse_reply(generated: str, thinking: bool = True, complete: bool = True) ->
 __all__ = ["OPEN", "SEP", "CLOSE", "END", "MARKERS", "ROLES", "CHANNELS", "EFFORTS",
            "ToolCall", "ToolSpec", "Options", "Message", "Conversation", "render",
            "render_message", "render_prompt", "reply_prefix", "user_prompt", "parse",
-           "parse_reply"]
+           "parse_reply", "canonical_json"]

@@ -2,7 +2,8 @@
 
 x [B,T,d] → q,k,v projections [B,T,H,K|V] → causal depthwise short convs (kernel W=4, no bias)
 + SiLU → L2-normalised q,k per head → decay g = kda_gate(f_b(f_a(x)), A_log, dt_bias,
-config.kda_lower_bound), β = sigmoid(b_proj x) → chunked delta rule (kernel chosen by
+config.kda_lower_bound, config.kda_a_log_axis) (A_log [H] per head, or [K] per key channel
+shared by the heads), β = sigmoid(b_proj x) → chunked delta rule (kernel chosen by
 `backend.kda_chunked_fn(config.kernel_backend)`) → per-head RMSNorm(o) · sigmoid(output gate)
 → o_proj. The gate, β, the recurrence and the output norm are fp32.
 
@@ -128,7 +129,12 @@ class KDA(nn.Module):
       self.g_a_proj = linear(cfg, r, ("embed", "gate_rank"), name="g_a_proj", target="gates")
       self.g_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="g_b_proj",
                              target="gates")
-    self.A_log = param(self, "A_log", _a_log_init, (h,), ("heads",))
+    # One rate per head [H], or per key channel [K] shared by the heads (config.kda_a_log_axis;
+    # replicated then: every head's shard needs all of it).
+    if cfg.kda_a_log_axis == "head":
+      self.A_log = param(self, "A_log", _a_log_init, (h,), ("heads",))
+    else:
+      self.A_log = param(self, "A_log", _a_log_init, (k,), ("head_dim",))
     self.dt_bias = param(self, "dt_bias", _dt_bias_init, (h, k), ("heads", "head_dim"))
     self.o_norm = param(self, "o_norm", nn.initializers.ones, (k,), ("head_dim",))
     self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
@@ -144,7 +150,8 @@ class KDA(nn.Module):
     v = jax.nn.silu(conv("v", self.v_proj(x), self.v_conv1d))
     q, k = l2_normalize(q), l2_normalize(k)
     z = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32)
-    g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.config.kda_lower_bound)
+    g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.config.kda_lower_bound,
+                 a_log_axis=self.config.kda_a_log_axis)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return q, k, v, g, beta
 

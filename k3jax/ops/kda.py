@@ -7,6 +7,8 @@ Spec: K3_SPEC.md §3. Per head, with state S ∈ R^{K×V} and per-channel log-de
     o_t = Sᵀ (scale · q_t)                     (read after the update)
 
 Layouts: q, k, g `[B,T,H,K]`; v `[B,T,H,V]`; beta `[B,T,H]`; state `[B,H,K,V]` (fp32).
+The decay parameter A_log enters through `kda_gate` alone: per head `[H]` or per key channel
+`[K]` (`a_log_axis`, the two readings of the release's A_log), the ops below see only g.
 `scale` defaults to K^-0.5 and multiplies q; nothing is normalised here (callers L2-normalise
 q and k). g is a log-decay: it is expected to be ≤ 0 (what `kda_gate` returns).
 
@@ -141,18 +143,26 @@ def _default_scale(scale, dk):
 # ----------------------------------------------------------------------------- gate
 
 
-def kda_gate(z, A_log, dt_bias, lower_bound: float | None = None):
+A_LOG_AXES = ("head", "channel")
+
+
+def kda_gate(z, A_log, dt_bias, lower_bound: float | None = None, a_log_axis: str = "head"):
   """Per-channel log-decay g (fp32) from the decay logits z.
 
   Args:
     z: `[B,T,H,K]` decay logits (f_b(f_a(x))).
-    A_log: `[H]` per-head log rate.
+    A_log: the log rate: `[H]`, one per head (a_log_axis "head", the spec's form), or `[K]`,
+      one per key channel shared by the heads ("channel"; `ModelConfig.kda_a_log_axis`).
     dt_bias: `[H,K]` per-channel bias.
     lower_bound: K3's bounded form when set (−5.0): `lower_bound·sigmoid(exp(A_log)·(z+dt_bias))`
       ∈ (lower_bound, 0); None gives Kimi Linear's `−exp(A_log)·softplus(z+dt_bias)`.
+    a_log_axis: "head" | "channel", the axis A_log runs along (explicit: with H == K its
+      shape alone could not tell).
 
   Returns:
-    g `[B,T,H,K]` float32, ≤ 0.
+    g `[B,T,H,K]` float32, ≤ 0. Everything downstream (the chunked and recurrent ops, the
+    Pallas kernel, the decode step) consumes g only, so both readings of A_log run through them
+    unchanged.
   """
   fn = "kda_gate"
   for name, x in (("z", z), ("A_log", A_log), ("dt_bias", dt_bias)):
@@ -160,12 +170,19 @@ def kda_gate(z, A_log, dt_bias, lower_bound: float | None = None):
   if jnp.ndim(z) != 4:
     raise ValueError(f"{fn}: z must be rank 4 [B,T,H,K], found shape {_fmt(jnp.shape(z))}")
   _, _, h, dk = z.shape
-  _check_shape(fn, "A_log", A_log, "[H]", (h,))
+  if a_log_axis not in A_LOG_AXES:
+    raise ValueError(f"{fn}: a_log_axis must be one of {A_LOG_AXES}, found {a_log_axis!r}")
+  if a_log_axis == "head":
+    _check_shape(fn, "A_log", A_log, "[H]", (h,))
+  else:
+    _check_shape(fn, "A_log", A_log, "[K]", (dk,))
   _check_shape(fn, "dt_bias", dt_bias, "[H,K]", (h, dk))
   if lower_bound is not None and not lower_bound < 0:
     raise ValueError(f"{fn}: lower_bound must be negative (e.g. -5.0) or None, found {lower_bound}")
   x = z.astype(jnp.float32) + dt_bias.astype(jnp.float32)
-  rate = jnp.exp(A_log.astype(jnp.float32))[:, None]  # [H,1], broadcast over channels
+  rate = jnp.exp(A_log.astype(jnp.float32))
+  # [H,1]: one rate per head, broadcast over its channels; [1,K]: one per channel, over heads.
+  rate = rate[:, None] if a_log_axis == "head" else rate[None, :]
   if lower_bound is None:
     return -rate * jax.nn.softplus(x)
   return lower_bound * jax.nn.sigmoid(rate * x)

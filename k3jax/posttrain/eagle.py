@@ -29,10 +29,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k3jax.cache import Cache
+from k3jax.cache import Cache, MLACache
 from k3jax.config import ModelConfig
 from k3jax.convert.checkpoint import load_pretrained, save_pretrained
-from k3jax.layers.mla import MLACache
 from k3jax.model import K3Model
 from k3jax.serve.speculative import lk_loss
 from k3jax.train.balance import flat_stats

@@ -84,7 +84,9 @@ def _jitted_draft(config: ModelConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_jit(config: ModelConfig):
+def decode_fn(config: ModelConfig):
+  """The jitted one-token decode step of `config` (cached per config): (variables, cache,
+  token [B], num_new [B]) → (logits [B,V], hidden [B,d], cache, None)."""
   def one(variables, cache, token, n):
     logits, h, new, _ = forward(config, variables, cache, token[:, None], n)
     return logits[:, 0], h[:, 0], new, None
@@ -170,7 +172,7 @@ def decode_step(config: ModelConfig, variables, cache: Cache, token, active=None
   """
   token = jnp.asarray(token, jnp.int32)
   n = jnp.ones(token.shape, jnp.int32) if active is None else jnp.asarray(active, jnp.int32)
-  logits, _, cache, _ = _decode_jit(config)(unbox(variables), cache, token, n)
+  logits, _, cache, _ = decode_fn(config)(unbox(variables), cache, token, n)
   return logits, cache
 
 

@@ -13,10 +13,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.cache import Cache
+from k3jax.cache import Cache, KDACache, MLACache
 from k3jax.config import ModelConfig
-from k3jax.layers.kda import KDACache
-from k3jax.layers.mla import MLACache
 
 _KDA_FIELDS = ("state", "conv_q", "conv_k", "conv_v")
 

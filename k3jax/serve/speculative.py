@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.serve import generate as G
-from k3jax.cache import Cache
+from k3jax.cache import Cache, MLACache
 from k3jax.config import ModelConfig
-from k3jax.layers.mla import MLACache
 from k3jax.serve.sampling import SamplingParams, sample, sampling_probs
 
 

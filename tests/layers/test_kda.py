@@ -45,7 +45,10 @@ def _np_kda_layer(p, x, cfg, seg=None):
   q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
   k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
   z = np.einsum("btr,rhk->bthk", x @ p["f_a_proj"]["kernel"], p["f_b_proj"]["kernel"])
-  rate = np.exp(p["A_log"])[:, None]
+  if cfg.kda_a_log_axis == "head":
+    rate = np.exp(p["A_log"])[:, None]     # [H,1]: one rate per head
+  else:
+    rate = np.exp(p["A_log"])[None, :]     # [1,K]: one per key channel, shared by the heads
   if cfg.kda_lower_bound is None:
     g = -rate * np.logaddexp(0, z + p["dt_bias"])
   else:
@@ -71,8 +74,8 @@ def _np_kda_layer(p, x, cfg, seg=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _setup(name, t=20, seed=0):
-  cfg = preset(name)
+def _setup(name, t=20, seed=0, a_log_axis="head"):
+  cfg = preset(name, kda_a_log_axis=a_log_axis)
   x = jax.random.normal(jax.random.key(seed), (2, t, cfg.d_model))
   mod = KDA(cfg)
   v = nn.unbox(jax.jit(mod.init)(jax.random.key(seed + 1), x))
@@ -80,11 +83,14 @@ def _setup(name, t=20, seed=0):
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
-def test_layer_matches_per_token_reference(name, backend):
+@pytest.mark.parametrize("name,a_log_axis", [("tiny", "head"), ("tiny_kimi_linear", "head"),
+                                              ("tiny", "channel")])
+def test_layer_matches_per_token_reference(name, a_log_axis, backend):
   # tiny: bounded decay + full-rank gate; tiny_kimi_linear: softplus decay + rank-r gate;
+  # "channel": A_log [K], one rate per key channel shared by the heads (the kernels take g
+  # only, so the Pallas kernel runs it unchanged);
   # "pallas": the same layer through the Pallas KDA kernel (interpreted here), packed rows too
-  cfg, mod, v, x = _setup(name)  # T = 20 > chunk (16): crosses a chunk boundary
+  cfg, mod, v, x = _setup(name, a_log_axis=a_log_axis)  # T = 20 > chunk (16): crosses a chunk
   if backend == "pallas":
     cfg = cfg.replace(kernel_backend="pallas")
     mod = KDA(cfg)
@@ -96,6 +102,27 @@ def test_layer_matches_per_token_reference(name, backend):
   ref = _np_kda_layer(v["params"], x, cfg, seg)
   np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
   np.testing.assert_allclose(got[0, 7:], got[1, :13], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("a_log_axis", ["head", "channel"])
+def test_decode_from_cache_matches_reference(a_log_axis):
+  """Prefill 12 tokens into an empty cache (chunked), then decode the rest one token at a
+  time (`kda_step`), each feed continuing from the cache: the outputs are the float64
+  reference's for the whole sequence, for both readings of A_log."""
+  from k3jax.layers.feed import Feed
+  from k3jax.layers.kda import KDACache
+  cfg, mod, v, x = _setup("tiny", a_log_axis=a_log_axis)
+  ref = _np_kda_layer(v["params"], x, cfg)
+  cache = KDACache.zeros(cfg, x.shape[0])
+  apply = jax.jit(lambda v, x, cache, feed: mod.apply(v, x, cache=cache, feed=feed))
+  outs, pos = [], 0
+  for n in (12,) + (1,) * (x.shape[1] - 12):
+    feed = Feed(jnp.full((x.shape[0],), pos, jnp.int32), jnp.full((x.shape[0],), n, jnp.int32))
+    out, cache = apply(v, x[:, pos:pos + n], cache, feed)
+    outs.append(out)
+    pos += n
+  got = jnp.concatenate(outs, axis=1)
+  np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
 def test_param_shapes_follow_contract():
@@ -110,6 +137,10 @@ def test_param_shapes_follow_contract():
     leaf = p[name]["kernel"] if isinstance(p[name], dict) else p[name]
     assert leaf.shape == shape, name
   np.testing.assert_array_equal(p["o_norm"], np.ones(k))
+  # the per-channel reading: A_log [K], replicated (every head's shard uses all of it)
+  channel = nn.get_partition_spec(jax.eval_shape(
+      KDA(cfg.replace(kda_a_log_axis="channel")).init, jax.random.key(0), _setup("tiny")[3]))
+  assert channel["params"]["A_log"] == jax.sharding.PartitionSpec("head_dim")
 
 
 def test_short_conv_taps_in_time_order():

@@ -63,20 +63,55 @@ def _assert_close(x, ref, tol=F32_TOL, name=""):
 # ----------------------------------------------------------------------------- gate
 
 
-def test_gate_formulas():
+@pytest.mark.parametrize("a_log_axis,h,dk", [("head", 4, 5), ("channel", 4, 5),
+                                              ("head", 4, 4), ("channel", 4, 4)])
+def test_gate_formulas(a_log_axis, h, dk):
+  """Both gate forms against float64 numpy, for both readings of A_log: one rate per head
+  (A_log [H]) or one per key channel shared by the heads (A_log [K]). H == K too, where only
+  the axis the rate is broadcast along tells the readings apart."""
   rng = np.random.default_rng(0)
-  z = rng.standard_normal((2, 3, 4, 5)).astype(np.float32) * 3
-  a_log = rng.standard_normal((4,)).astype(np.float32)
-  dt_bias = rng.standard_normal((4, 5)).astype(np.float32)
+  z = rng.standard_normal((2, 3, h, dk)).astype(np.float32) * 3
+  a_log = rng.standard_normal((h if a_log_axis == "head" else dk,)).astype(np.float32)
+  dt_bias = rng.standard_normal((h, dk)).astype(np.float32)
   x = z.astype(np.float64) + dt_bias
-  rate = np.exp(a_log.astype(np.float64))[:, None]
+  rate = np.empty((h, dk))
+  for hi in range(h):
+    for c in range(dk):
+      rate[hi, c] = np.exp(np.float64(a_log[hi if a_log_axis == "head" else c]))
   bounded = -5.0 / (1 + np.exp(-rate * x))
   unbounded = -rate * np.log1p(np.exp(x))
-  g_b = kda.kda_gate(jnp.asarray(z), jnp.asarray(a_log), jnp.asarray(dt_bias), -5.0)
-  g_u = kda.kda_gate(jnp.asarray(z), jnp.asarray(a_log), jnp.asarray(dt_bias))
+  args = (jnp.asarray(z), jnp.asarray(a_log), jnp.asarray(dt_bias))
+  g_b = kda.kda_gate(*args, -5.0, a_log_axis=a_log_axis)
+  g_u = kda.kda_gate(*args, a_log_axis=a_log_axis)
   assert g_b.dtype == jnp.float32 and g_u.dtype == jnp.float32
   np.testing.assert_allclose(g_b, bounded, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(g_u, unbounded, rtol=1e-5, atol=1e-6)
+
+
+def test_per_channel_gate_through_every_op():
+  """A per-channel A_log changes only g: the recurrent scan, the chunked form and the decode
+  step all match the float64 token loop on a gate made with a_log_axis="channel" (rates
+  spread over the channels, so a per-head rate could not produce it)."""
+  b, t, h, dk, dv = 1, 37, 2, 8, 4
+  rng = np.random.default_rng(21)
+  q, k, v, _, beta, s0 = _inputs(22, b, t, h, dk, dv)
+  z = jnp.asarray(rng.standard_normal((b, t, h, dk)), jnp.float32)
+  a_log = jnp.asarray(np.linspace(-3.0, 1.0, dk), jnp.float32)
+  dt_bias = jnp.asarray(-2.0 + 0.5 * rng.standard_normal((h, dk)), jnp.float32)
+  g = kda.kda_gate(z, a_log, dt_bias, -5.0, a_log_axis="channel")
+  o_ref, s_ref = _numpy_loop(q, k, v, g, beta, s0, None, dk ** -0.5)
+  o, s = kda.kda_recurrent(q, k, v, g, beta, initial_state=s0)
+  _assert_close(o, o_ref, 1e-5, "recurrent o")
+  _assert_close(s, s_ref, 1e-5, "recurrent state")
+  o, s = kda.kda_chunked(q, k, v, g, beta, initial_state=s0, chunk_size=16, lower_bound=-5.0)
+  _assert_close(o, o_ref, name="chunked o")
+  _assert_close(s, s_ref, name="chunked state")
+  state, outs = s0, []
+  for ti in range(t):
+    o_t, state = kda.kda_step(q[:, ti], k[:, ti], v[:, ti], g[:, ti], beta[:, ti], state)
+    outs.append(o_t)
+  _assert_close(jnp.stack(outs, 1), o_ref, 1e-5, "step o")
+  _assert_close(state, s_ref, 1e-5, "step state")
 
 
 def test_gate_extremes_saturate():
@@ -428,5 +463,11 @@ def test_bad_chunk_size_and_step_and_gate():
     kda.kda_gate(jnp.zeros((1, 2, 4, 16)), jnp.zeros((4,)), jnp.zeros((4,)))
   with pytest.raises(ValueError, match=r"kda_gate: A_log must be \[H\]=\[4\]"):
     kda.kda_gate(jnp.zeros((1, 2, 4, 16)), jnp.zeros((1, 1, 4, 1)), jnp.zeros((4, 16)))
+  with pytest.raises(ValueError, match=r"kda_gate: A_log must be \[K\]=\[16\], found \[4\]"):
+    kda.kda_gate(jnp.zeros((1, 2, 4, 16)), jnp.zeros((4,)), jnp.zeros((4, 16)),
+                 a_log_axis="channel")
+  with pytest.raises(ValueError, match=r"kda_gate: a_log_axis must be one of \('head', "
+                     r"'channel'\), found 'key'"):
+    kda.kda_gate(jnp.zeros((1, 2, 4, 16)), jnp.zeros((4,)), jnp.zeros((4, 16)), a_log_axis="key")
   with pytest.raises(ValueError, match=r"kda_gate: lower_bound must be negative"):
     kda.kda_gate(jnp.zeros((1, 2, 4, 16)), jnp.zeros((4,)), jnp.zeros((4, 16)), 5.0)

@@ -98,7 +98,10 @@ def _layer_tensors(c: ModelConfig, params: dict, balance: dict, mixer: str, mlp:
     out[a + "b_proj.weight"] = _lin(p("self_attn", "b_proj", "kernel"))
     out[a + "g_proj.weight"] = _lin(p("self_attn", "g_proj", "kernel"))
     a_log = p("self_attn", "A_log")
-    out[a + "A_log"] = np.concatenate([a_log, np.zeros(128 - a_log.shape[0], np.float32)])
+    if c.kda_a_log_axis == "channel":     # one rate per key dimension: stored as it is, [K]
+      out[a + "A_log"] = a_log
+    else:                                 # per head: [128], zero past the heads
+      out[a + "A_log"] = np.concatenate([a_log, np.zeros(128 - a_log.shape[0], np.float32)])
     out[a + "dt_bias"] = p("self_attn", "dt_bias").reshape(-1)
     out[a + "o_norm.weight"] = p("self_attn", "o_norm", "weight")
     out[a + "o_proj.weight"] = _lin(p("self_attn", "o_proj", "kernel"), 2)

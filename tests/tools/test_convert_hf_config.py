@@ -52,6 +52,29 @@ def test_round_trip_presets(name):
   assert _arch(hf_config.from_hf_config(d)) == _arch(c)
 
 
+def test_a_log_axis_round_trips():
+  """The per-channel reading of A_log is written as k3jax's linear_attn_config key
+  `a_log_per_channel` (absent for the per-head reading, like the release's config.json) and
+  read back; Kimi Linear has no form for it; a non-boolean value is refused."""
+  c = preset("k3", kda_a_log_axis="channel")
+  d = hf_config.to_hf_config(c)
+  assert d["text_config"]["linear_attn_config"]["a_log_per_channel"] is True
+  assert hf_config.declared_a_log_axis(d) == "channel"
+  assert _arch(hf_config.from_hf_config(d)) == _arch(c)
+  plain = hf_config.to_hf_config(preset("k3"))
+  assert "a_log_per_channel" not in plain["text_config"]["linear_attn_config"]
+  assert hf_config.declared_a_log_axis(plain) is None
+  assert hf_config.from_hf_config(plain).kda_a_log_axis == "head"
+  assert hf_config.is_k3_style(preset("tiny_kimi_linear", kda_a_log_axis="channel"))
+  with pytest.raises(ValueError, match=r"ModelConfig\.kda_a_log_axis: 'channel' has no Kimi "
+                     r"Linear config\.json form"):
+    hf_config.to_hf_config(preset("tiny_kimi_linear", kda_a_log_axis="channel"), "kimi_linear")
+  d["text_config"]["linear_attn_config"]["a_log_per_channel"] = "yes"
+  with pytest.raises(ValueError, match=r"'linear_attn_config\.a_log_per_channel': expected "
+                     r"true or false, found 'yes'"):
+    hf_config.from_hf_config(d)
+
+
 def test_k3_config_layout():
   d = hf_config.to_hf_config(preset("k3"))
   tc = d["text_config"]

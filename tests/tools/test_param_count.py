@@ -61,6 +61,16 @@ def test_tiny_components_match_hand_count():
       hand["routed_experts"] * (1 - frac))
 
 
+def test_per_channel_a_log_counts_k_rates_per_kda_layer():
+  """kda_a_log_axis="channel": each KDA layer's A_log has K entries instead of H, still
+  counted as KDA (the layer is told from its A_log, whatever its shape)."""
+  head, channel = preset("tiny"), preset("tiny", kda_a_log_axis="channel")
+  n_kda = sum(not head.is_mla(i) for i in range(head.num_layers))
+  a, b = count_params(head)["components"], count_params(channel)["components"]
+  assert b["kda"]["total"] - a["kda"]["total"] == n_kda * (head.kda_head_dim - head.kda_num_heads)
+  assert b["mla"] == a["mla"] and b["kda"]["activated"] == b["kda"]["total"]
+
+
 def test_cli_json():
   out = subprocess.run([sys.executable, "-m", "tools.param_count", "--preset", "tiny", "--json"],
                        capture_output=True, text=True, check=True)
