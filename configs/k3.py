@@ -1,5 +1,5 @@
-"""Kimi K3 (spec Table 1): the full model. Needs an accelerator pod (with a `config.mesh` layout);
-the numbers follow spec §8 — 1% warm-up cosine, Per-Head Muon, QK-Clip τ=100, QB with 1000
+"""Kimi K3 (docs/k3.md §1, Table 1): the full model. Needs an accelerator pod (with a `config.mesh` layout);
+the numbers follow docs/k3.md §8 — 1% warm-up cosine, Per-Head Muon, QK-Clip τ=100, QB with 1000
 bins — and the report's context curriculum 8K → 64K (pre-training stages).
 """
 

@@ -1,4 +1,4 @@
-"""Kimi Linear 48B-A3B (spec §9 presets): KDA + MLA, classic MoE without AttnRes/MTP.
+"""Kimi Linear 48B-A3B (docs/k3.md §9 presets): KDA + MLA, classic MoE without AttnRes/MTP.
 Accelerator-scale; on a CPU shrink it from the command line (e.g. --config.model.num_layers=4).
 """
 

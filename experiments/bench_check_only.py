@@ -4,7 +4,7 @@
   python -m experiments.bench_check_only --json --out /tmp/check_only.json
 
 The layout is the released one as published — tests/tools/release_facts.py, typed by hand from
-K3_SPEC.md §9/§11/§12, never k3jax's own tensor map (which is what the check tests): 497,220
+docs/k3.md §9/§11/§12, never k3jax's own tensor map (which is what the check tests): 497,220
 entries in 96 safetensors shards, 1.561 TB, synthesised as header-only files made the right
 size with `os.truncate` — sparse, so under 200 MB on disk. The check reads config.json, the
 index and every shard's header (no tensor data). Reported: wall and CPU seconds of the

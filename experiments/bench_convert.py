@@ -47,7 +47,7 @@ flags.DEFINE_integer("workers", 2, "converter --workers (processes converting at
 flags.DEFINE_bool("keep", False, "keep the synthetic checkpoint and the output")
 flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
                   "converter target for routed experts (mxfp4: kept packed; needs a model that "
-                  "builds ModelConfig.expert_format='mxfp4')")
+                  "builds ModelConfig.modes.expert_format='mxfp4')")
 
 GiB = 1 << 30
 
@@ -100,7 +100,7 @@ def write_synthetic(directory: pathlib.Path, config) -> dict:
         a = take(pool_u8, n)
     elif kinds[name][0] == "a_log_pad":
       a = np.zeros(n, np.float32)
-      a[:config.kda_num_heads] = np.log(np.linspace(1, 16, config.kda_num_heads))
+      a[:config.text.kda_num_heads] = np.log(np.linspace(1, 16, config.text.kda_num_heads))
     else:
       a = take(pool_f, n).astype(dt)
     a = a.reshape(shape)

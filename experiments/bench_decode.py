@@ -76,8 +76,8 @@ def kda_only(cfg, with_mlp: bool):
   from k3jax.layers.feed import Feed
   from k3jax.layers.kda import KDA, KDACache
   from k3jax.layers.moe import StableLatentMoE
-  n = sum(m == "kda" for m, _ in cfg.layer_types())
-  x0 = jnp.zeros((1, 4, cfg.d_model))
+  n = sum(m == "kda" for m, _ in cfg.text.layer_types())
+  x0 = jnp.zeros((1, 4, cfg.text.d_model))
   kda, moe = KDA(cfg), StableLatentMoE(cfg.for_inference())
   kv = kda.init(jax.random.PRNGKey(0), x0)
   mv = moe.init(jax.random.PRNGKey(1), x0) if with_mlp else None
@@ -109,7 +109,7 @@ def k3_shaped(steps: int) -> dict:
   jax.block_until_ready(logits)
   first = time.perf_counter() - t0
   step = timing.median_seconds(lambda: G.decode_step(cfg, v, cache, tok)[0], steps)
-  return {"config": "tiny widths, 93 layers (K3 layout)", "layout": cfg.stack_layout(),
+  return {"config": "tiny widths, 93 layers (K3 layout)", "layout": cfg.text.stack_layout(),
           "backend": jax.default_backend(), "first_call_s": first, "step_ms": step * 1e3,
           "compile_s": first - step}
 
@@ -190,7 +190,7 @@ def main(argv):
     step = G.decode_fn(cfg)
     one = jnp.ones((1,), jnp.int32)
     hybrid.append(timing.median_seconds(lambda: step(v, cache, tok, one)[0], _STEPS.value))
-    x = jax.random.normal(key, (1, 1, cfg.d_model))
+    x = jax.random.normal(key, (1, 1, cfg.text.d_model))
     kda_times.append(timing.median_seconds(lambda: kda_step(kda_caches, x, one)[0], _STEPS.value))
   res["decode_ms_hybrid"] = [t * 1e3 for t in hybrid]
   res["decode_ms_kda_only"] = [t * 1e3 for t in kda_times]
@@ -198,12 +198,12 @@ def main(argv):
   res["hybrid_ratio_last_first"] = hybrid[-1] / hybrid[0]
 
   # 2. cache bytes per token.
-  n_mla = sum(m == "mla" for m, _ in cfg.layer_types())
-  n_kda = cfg.num_layers - n_mla
-  mla_per_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
-  kda_fixed = n_kda * 4 * cfg.kda_num_heads * cfg.kda_head_dim * (
-      cfg.kda_head_dim + 3 * (cfg.kda_conv_size - 1))
-  mha_per_token = cfg.num_layers * 2 * cfg.d_model * 4
+  n_mla = sum(m == "mla" for m, _ in cfg.text.layer_types())
+  n_kda = cfg.text.num_layers - n_mla
+  mla_per_token = n_mla * (cfg.text.kv_lora_rank + cfg.text.qk_rope_head_dim) * 4
+  kda_fixed = n_kda * 4 * cfg.text.kda_num_heads * cfg.text.kda_head_dim * (
+      cfg.text.kda_head_dim + 3 * (cfg.text.kda_conv_size - 1))
+  mha_per_token = cfg.text.num_layers * 2 * cfg.text.d_model * 4
   res["cache"] = {
       "mla_bytes_per_token": mla_per_token, "kda_fixed_bytes": kda_fixed,
       "mha_bytes_per_token": mha_per_token,
@@ -212,7 +212,7 @@ def main(argv):
 
   # 3. prefill tokens/s (hybrid, batch 1).
   n = _PREFILL.value if not quick else min(_PREFILL.value, 1024)
-  toks = np.asarray(jax.random.randint(key, (1, n), 0, cfg.vocab_size))
+  toks = np.asarray(jax.random.randint(key, (1, n), 0, cfg.text.vocab_size))
   G.prefill(cfg, v, toks, np.array([n]), chunk=512)  # compile
   t0 = time.perf_counter()
   lg, _ = G.prefill(cfg, v, toks, np.array([n]), chunk=512)
@@ -229,7 +229,7 @@ def main(argv):
     kc = zero_caches
     # One random chunk fed repeatedly: the cost does not depend on the values, and generating
     # inputs inside the timed loop would time the random generator too.
-    x = jax.random.normal(key, (1, chunk, cfg.d_model))
+    x = jax.random.normal(key, (1, chunk, cfg.text.d_model))
     jax.block_until_ready(f(kc, x, full))  # compile
     t0 = time.perf_counter()
     for _ in range(0, length, chunk):

@@ -202,7 +202,7 @@ def bench_experts(n, d, f, e, k, methods, repeats, dtype=jnp.float32):
 
 
 def bench_qat(n, d, f, e, k, repeats):
-  """QAT's cost (ModelConfig.expert_qat="mxfp4_mxfp8"): the sorted expert MLP fwd+bwd with
+  """QAT's cost (ModelConfig.modes.expert_qat="mxfp4_mxfp8"): the sorted expert MLP fwd+bwd with
   fake-quantised weights and inputs vs without, and the quantisers alone — `mx.fake_round`
   (what QAT runs) vs the codec round trip it equals (unpack(pack(·))), on the three expert
   kernels and on the k·N rows of both expert inputs. {name: (min_ms, median_ms)}."""
@@ -274,7 +274,7 @@ def bench_layer(repeats, capacity_factor):
     return None, None
   cfg = preset("small", moe_capacity_factor=capacity_factor)
   layer = StableLatentMoE(cfg)
-  x = jax.random.normal(jax.random.PRNGKey(0), (8, 512, cfg.d_model), jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 512, cfg.text.d_model), jnp.float32)
   variables = layer.init(jax.random.PRNGKey(1), x)
   params = variables["params"]
   rest = {c: v for c, v in variables.items() if c != "params"}

@@ -108,19 +108,19 @@ def run(checkpoint: str, out: str, *, json_path: str | None = None, blocks: str 
   out_dir = pathlib.Path(out)
   out_dir.mkdir(parents=True, exist_ok=True)
   config, variables = load_pretrained(checkpoint)
-  if not config.num_mtp_layers:
+  if not config.text.num_mtp_layers:
     raise ValueError(f"--checkpoint {checkpoint}: the target has no MTP layer "
                      "(num_mtp_layers=0); the EAGLE-3 draft re-tunes it")
   target = config.replace(eagle_blocks=None).for_inference()
   draft_cfg = eagle.eagle_config(config, parse_blocks(blocks))
 
-  text = corpus.load_corpus("stdlib", vocab_size=config.vocab_size)
+  text = corpus.load_corpus("stdlib", vocab_size=config.text.vocab_size)
   rng = np.random.default_rng(seed)
   starts = rng.integers(0, len(text.eval) - prompt_len, eval_prompts)
   prompts = [list(map(int, text.eval[s:s + prompt_len])) for s in starts]
 
-  print(f"[eagle] target {checkpoint}: {config.num_layers} layers, d={config.d_model}; "
-        f"blocks {draft_cfg.eagle_block_indices()} of {config.num_attn_res_blocks}",
+  print(f"[eagle] target {checkpoint}: {config.text.num_layers} layers, d={config.text.d_model}; "
+        f"blocks {draft_cfg.eagle_block_indices()} of {config.text.num_attn_res_blocks}",
         flush=True)
   before = decode_figures(target, variables, prompts, max_new=max_new_tokens,
                           draft_len=draft_len)

@@ -101,7 +101,7 @@ def evaluate(config, variables, samples, *, max_new_tokens: int = 112, batch_siz
   from k3jax.data import sft
   from k3jax.data import sft_tasks
 
-  tok = tokenizers.ByteTokenizer(config.vocab_size)
+  tok = tokenizers.ByteTokenizer(config.text.vocab_size)
   if replies_fn is None:
     def replies_fn(prompts):
       return generate_replies(config, variables, prompts, max_new_tokens=max_new_tokens,

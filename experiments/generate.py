@@ -180,7 +180,7 @@ def main(argv):
     with open(_PROMPT_FILE.value) as f:
       prompt = f.read()
   cfg, variables = load_model(_CKPT.value, _PRESET.value)
-  tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.vocab_size)
+  tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.text.vocab_size)
   if _CHAT.value:
     from k3jax.data import chat
     end_id = tok.chat_ids()[chat.END]      # a tokenizer without the markers fails here, by name

@@ -6,7 +6,7 @@ r"""Train–serve gap with and without quantisation-aware training of the routed
       --eval_batches=4 --out=docs/results/qat_gap_small.json [--data=stdlib]
 
 Two fine-tuning runs of the same model from the same initialisation on the same batches
-(k3jax.train.trainer), one with `model.expert_qat=None`, one with "mxfp4_mxfp8" (spec §13,
+(k3jax.train.trainer), one with `model.expert_qat=None`, one with "mxfp4_mxfp8" (docs/k3.md §13,
 docs/notes/qat.md). Each final checkpoint is then evaluated on the held-out batches:
 
   train_loss   the forward it was trained with (plain experts, or the QAT forward);
@@ -140,7 +140,7 @@ def run(cfg, workdir: str, data: str = "stdlib", eval_batches: int = 4) -> dict:
     batches = sft.eval_batches(sft.pack([sft.tokenize(c) for c in held], run0.train.seq_len,
                                         None), eval_batches, run0.train.batch_size)
   else:
-    corpus = data_lib.load_corpus(data, base.data.eval_percent, config0.vocab_size)
+    corpus = data_lib.load_corpus(data, base.data.eval_percent, config0.text.vocab_size)
     batches = data_lib.eval_batches(corpus, eval_batches, base.train.batch_size,
                                     base.train.seq_len, base.seed)
   if not batches:

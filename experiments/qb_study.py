@@ -1,4 +1,4 @@
-r"""Quantile Balancing vs the sign rule vs no balancing (spec §7).
+r"""Quantile Balancing vs the sign rule vs no balancing (docs/k3.md §7).
 
   python -m experiments.qb_study --out=runs/qb_study                      # synthetic router
   python -m experiments.qb_study --out=runs/qb_study --train_steps=100    # + small training

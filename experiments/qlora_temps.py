@@ -42,8 +42,8 @@ def temps(num_layers: int, num_experts: int, expert_format: str) -> dict:
   state = abstract_state(nn.unbox(abstract_variables(c)), L.ADAPTERS, step.tx)
   batch = data_lib.abstract_batch(run.train.batch_size, run.train.seq_len)
   ma = step.train.lower(state, batch).compile().memory_analysis()
-  moe_layers = num_layers - c.first_dense_layers
-  return dict(num_layers=num_layers, stack_layout=list(c.stack_layout()),
+  moe_layers = num_layers - c.text.first_dense_layers
+  return dict(num_layers=num_layers, stack_layout=list(c.text.stack_layout()),
               num_experts=num_experts, expert_format=expert_format,
               temp_bytes=int(ma.temp_size_in_bytes),
               expert_bytes_all_layers=moe_layers * num_experts * 3 * F * D * 2)

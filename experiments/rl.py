@@ -62,7 +62,7 @@ def main(argv):
   teachers = None
   spec = parse_teachers(_TEACHERS.value)
   if spec:
-    teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.vocab_size)
+    teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.text.vocab_size)
   history, state = loop.run(r, config, variables, teachers=teachers, out_dir=_OUT.value,
                             mesh=run_mesh(r.run))
   if _SAVE.value:

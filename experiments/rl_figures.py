@@ -218,7 +218,7 @@ def mopd(out: pathlib.Path, config, variables):
     c.budget.enabled = False
     c.loss.update(dict(mopd_coef=1.0, r_max=1.0))
     teachers = Teachers({(d, e): (config, tv) for d in c.rl.domains for e in c.rl.efforts},
-                        config.vocab_size)
+                        config.text.vocab_size)
     hist, state = loop.run(c, s_cfg, student, teachers=teachers, out_dir=out / f"mopd_{name}")
     res[f"student_with_{name}_teacher"] = {"accuracy_after": accuracy(s_cfg, state.variables),
                                            "rounds": hist}

@@ -68,7 +68,7 @@ def main(argv):
     ids = [int(t) for t in FLAGS.tokens.split(",")]
     pieces = [str(i) for i in ids]
   else:
-    ids, pieces = _tokenize(FLAGS.text, FLAGS.tokenizer, config.vocab_size)
+    ids, pieces = _tokenize(FLAGS.text, FLAGS.tokenizer, config.text.vocab_size)
   if len(ids) < 2:
     raise app.UsageError("need at least 2 tokens to score")
   lp = token_logprobs(config, variables, np.asarray(ids))[0]

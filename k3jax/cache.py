@@ -47,15 +47,15 @@ class Cache:
     """A zero cache for `batch` sequences of up to `max_len` tokens."""
     if max_len < 1:
       raise ValueError(f"max_len: expected >= 1, found {max_len}")
-    prefix, groups, _ = config.stack_layout()
-    layout = (prefix, groups, config.mla_every)
+    prefix, groups, _ = config.text.stack_layout()
+    layout = (prefix, groups, config.text.mla_every)
 
     def one(mixer):
       return (KDACache.zeros(config, batch) if mixer == KDA
               else MLACache.zeros(config, batch, max_len))
 
     stack: dict = {}
-    for i, (mixer, _) in enumerate(config.layer_types()):
+    for i, (mixer, _) in enumerate(config.text.layer_types()):
       key, sub, g = _slot(layout, i)
       if sub is None:
         stack[key] = one(mixer)
@@ -63,7 +63,7 @@ class Cache:
         stack.setdefault("body", {})[sub] = jax.tree_util.tree_map(
             lambda a: jnp.zeros((groups,) + a.shape, a.dtype), one(mixer))
     zeros = jnp.zeros((batch,), jnp.int32)
-    if config.num_mtp_layers:
+    if config.text.num_mtp_layers:
       return cls(zeros, stack, MLACache.zeros(config, batch, max_len), zeros, layout)
     return cls(zeros, stack, layout=layout)
 

@@ -1,14 +1,22 @@
-"""Model configuration: one frozen dataclass and the named presets.
+"""The model's configuration: frozen, validated records and the named presets.
 
-`ModelConfig` is data only: every architectural switch of the Kimi family is a field, and
-`validate()` (run by the constructor) rejects combinations the model cannot build, naming the
-field. Layer layout is derived, never stored: `layer_types()` gives the token mixer and MLP kind
-of every layer, and `stack_layout()` splits the stack into an unrolled prefix, a repeating body
-of identical groups (scanned with `nn.scan` when `scan_layers=True`) and an unrolled suffix.
-`config.json` ⇄ `ModelConfig` is `k3jax.hf_config.from_hf_config` / `to_hf_config` (that module
-imports this one, never the reverse).
+  ModelConfig(name, text, vision, media_placeholder_token_id, modes)
+    text    TextConfig   the language model's architecture (Table 1, §2–7): every shape and
+                         every switch of a formula; config.json's `text_config`
+    vision  VisionConfig the MoonViT tower and projector (§11), or None for a text-only model
+    modes   RunModes     how the model runs: numerics, compilation, kernels, the experts'
+                         storage and QAT, LoRA adapters, the EAGLE-3 draft input, router stats
 
-Spec references: K3_SPEC.md §1 (Table 1), §2 (layout), §3–6 (components), §9 (HF config keys).
+Each record validates its own fields when built (errors name them: `ModelConfig.text.d_model:
+…`); `ModelConfig` checks what spans them. Layer layout is derived, never stored:
+`text.layer_types()` gives the token mixer and MLP kind of every layer, `text.stack_layout()`
+splits the stack into an unrolled prefix, a repeating body of identical groups (scanned with
+`nn.scan` when `modes.scan_layers`) and an unrolled suffix. `preset(name, **overrides)` and
+`ModelConfig.replace` take any record's field by its own name. `config.json` ⇄ `ModelConfig` is
+`k3jax.hf_config` (that module imports this one, never the reverse); checkpoints store
+`config_to_dict`.
+
+Facts cited: docs/k3.md §1 (Table 1), §2 (layout), §3–7 (components), §9 (config keys), §11.
 """
 
 from __future__ import annotations
@@ -204,7 +212,7 @@ MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
 
-# LoRA target names (ModelConfig.lora_targets) → the projections they adapt:
+# LoRA target names (RunModes.lora_targets) → the projections they adapt:
 #   q        KDA q_proj; MLA q_a_proj + q_b_proj (or q_proj)
 #   k, v     KDA k_proj / v_proj; MLA's kv_a_proj_with_mqa + kv_b_proj (one latent for keys
 #            and values) when either is named
@@ -219,14 +227,28 @@ MOE = "moe"
 LORA_TARGETS = ("q", "k", "v", "o", "gates", "dense", "shared", "latent", "experts")
 
 
+def _bad(record: str, field: str, msg: str):
+  raise ValueError(f"{record}.{field}: {msg}")
+
+
+TEXT = "ModelConfig.text"      # how errors name the records' fields
+MODES = "ModelConfig.modes"
+
+
+def _check_ints(record: str, obj, positive: tuple[str, ...], non_negative: tuple[str, ...]):
+  for f in positive + non_negative:
+    v = getattr(obj, f)
+    lo = 1 if f in positive else 0
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+      _bad(record, f, f"expected a {'positive' if lo else 'non-negative'} int, found {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture of a Kimi K3 / Kimi Linear style model.
+class TextConfig:
+  """The language model's architecture (K3's Table 1 and §2–7; config.json's `text_config`):
+  every shape and every switch of a formula. Dimensions follow the spec's names: `d_model` is
+  d, `latent_moe_dim` is ℓ. The defaults are K3's."""
 
-  Dimensions follow the spec's names: `d_model` is d, `latent_moe_dim` is ℓ.
-  """
-
-  name: str = "custom"
   vocab_size: int = 163840
   d_model: int = 7168
   num_layers: int = 93
@@ -251,7 +273,6 @@ class ModelConfig:
   kda_a_log_axis: Literal["head", "channel"] = "head"
   kda_gate_rank: int = 128         # rank of f_a/f_b (and of g_a/g_b when not full rank)
   full_rank_gates: bool = True     # output gate g_proj: d -> H*dv (K3) vs rank-r pair (Kimi Linear)
-  kda_chunk_size: int = 64
 
   # --- Gated MLA, NoPE (§4)
   num_heads: int = 96
@@ -264,10 +285,6 @@ class ModelConfig:
   # q_a_layernorm / kv_a_layernorm eps: 1e-6 in Moonshot's and transformers' code (DeepSeek-V3's
   # default), unlike the decoder norms' rms_norm_eps.
   mla_latent_norm_eps: float = 1e-6
-  # Training/prefill attention over more queries than this runs in query blocks of this size,
-  # each rematerialised in the backward pass (temporaries [B,H,block,S] instead of [B,H,T,S]);
-  # None: all queries at once. Numerics are the same.
-  mla_query_block: int | None = 512
 
   # --- MLPs and Stable LatentMoE (§6)
   activation: Literal["situ", "swiglu"] = "situ"
@@ -280,63 +297,12 @@ class ModelConfig:
   moe_intermediate_size: int = 3072
   latent_moe_dim: int | None = 3584  # None: classic MoE (experts act on d directly)
   routed_scaling_factor: float = 1.0
-  # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
-  moe_capacity_factor: float | None = None
 
   # --- Block Attention Residuals (§5); None = plain pre-norm residuals
   attn_res_block_size: int | None = 12
 
   # --- Multi-token prediction (one extra layer predicting token t+2)
   num_mtp_layers: int = 1
-
-  # --- Native vision (§11): the tower + projector, or None for a text-only model. The
-  # projector's outputs replace the embeddings at `media_placeholder_token_id` positions.
-  vision: VisionConfig | None = None
-  media_placeholder_token_id: int | None = None
-
-  # --- Quantile Balancing statistics sown by MoE layers (§7)
-  qb_num_bins: int = 1000
-  qb_range: tuple[float, float] = (-2.0, 2.0)
-
-  # --- numerics and compilation
-  dtype: str = "float32"           # compute dtype for matmuls ("bfloat16" on accelerators)
-  param_dtype: str = "float32"     # Linear + expert kernels (fp32 masters; "bfloat16" halves
-                                   # them; vectors, norms, convs and the router stay fp32)
-  scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
-  remat: bool = False              # rematerialise each layer (scanned group) in the backward
-  kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
-  # Routed expert weights' storage (docs/notes/moe.md, "Packed MXFP4 experts"):
-  #   "bf16"  unquantised, in `param_dtype` (trainable; the name follows the release's
-  #           vocabulary for "not MXFP4" — with param_dtype="float32" they are fp32 masters);
-  #   "mxfp4" the release's bytes: `experts/{w1,w3,w2}/weight_packed` uint8 (two E2M1 codes a
-  #           byte) + `weight_scale` uint8 (E8M0, one per 32 inputs), dequantised inside the
-  #           expert matmul; not trainable (the optimizer refuses them unless experts are frozen).
-  expert_format: Literal["bf16", "mxfp4"] = "bf16"
-  # Quantisation-aware training of the routed experts (spec §13, docs/notes/qat.md):
-  #   None           experts compute in the dtype they are stored in;
-  #   "mxfp4_mxfp8"  every routed expert matmul sees MXFP4 weights (the exporter's codes:
-  #                  float masters fake-quantised, or packed "mxfp4" experts as they are) and
-  #                  MXFP8 (E4M3, 32-value blocks) inputs — the input of w1/w3 and of w2 —
-  #                  with straight-through gradients (k3jax/quant/qat.py). Set it both to train
-  #                  (bf16 experts) and to serve (mxfp4 experts): the served path is then the
-  #                  trained forward. A k3jax-only field: the release's config.json stores no
-  #                  activation quantisation (§12), so hf_config neither reads nor writes it.
-  expert_qat: Literal["mxfp4_mxfp8"] | None = None
-
-  # --- LoRA adapters (docs/notes/lora.md): y = x·W + (lora_alpha / lora_rank)·(x·A)·B on the
-  # projections named by `lora_targets` (LORA_TARGETS), A [in, r] and B [r, out] (B zero at
-  # init) in the Flax collection "lora"; the base weights stay untouched (and may be packed
-  # MXFP4 experts: QLoRA). lora_rank 0: no adapters, the plain model.
-  lora_rank: int = 0
-  lora_alpha: float = 16.0
-  lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
-
-  # --- EAGLE-3 draft (spec §10, §13; docs/notes/eagle.md): the MTP layer's feature input is
-  # `draft_fuse`([B_j for j in eagle_blocks]) instead of the final hidden state, B_j being the
-  # AttnRes representation of layer block j (0: the embeddings, 1 … num_attn_res_blocks: the
-  # blocks' sums in order, the last one being the running sum at the end of the stack; −1
-  # names the last). K3 served with (1, 4, −1). None: the plain MTP layer.
-  eagle_blocks: tuple[int, ...] | None = None
 
   def __post_init__(self):
     self.validate()
@@ -350,6 +316,11 @@ class ModelConfig:
   def shared_intermediate_size(self) -> int:
     """Width of the fused shared-expert MLP (the shared experts side by side)."""
     return self.num_shared_experts * self.moe_intermediate_size
+
+  @property
+  def expert_in_dim(self) -> int:
+    """The routed experts' input width: ℓ (LatentMoE) or d (classic MoE)."""
+    return self.latent_moe_dim or self.d_model
 
   def is_mla(self, i: int) -> bool:
     return i % self.mla_every == self.mla_every - 1 or (
@@ -386,35 +357,28 @@ class ModelConfig:
       return 0
     return -(-self.num_layers // self.attn_res_block_size)
 
-  def replace(self, **overrides: Any) -> "ModelConfig":
-    return dataclasses.replace(self, **overrides)
+  @property
+  def has_moe(self) -> bool:
+    return self.first_dense_layers < self.num_layers
 
-  def for_inference(self) -> "ModelConfig":
-    """This config for generation and scoring: dropless MoE. A capacity factor is a
-    training-time layout choice; with the few tokens of a decode step it would drop tokens
-    that pick the same expert."""
-    return self.replace(moe_capacity_factor=None)
+  def replace(self, **overrides: Any) -> "TextConfig":
+    return dataclasses.replace(self, **overrides)
 
   # ------------------------------------------------------------------ validation
   def validate(self) -> None:
     def bad(field: str, msg: str):
-      raise ValueError(f"ModelConfig.{field}: {msg}")
+      _bad(TEXT, field, msg)
 
-    for f in ("vocab_size", "d_model", "num_layers", "mla_every", "kda_num_heads", "kda_head_dim",
-              "kda_conv_size", "kda_gate_rank", "kda_chunk_size", "num_heads", "kv_lora_rank",
-              "qk_nope_head_dim", "v_head_dim", "dense_intermediate_size",
-              "moe_intermediate_size", "qb_num_bins"):
-      v = getattr(self, f)
-      if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        bad(f, f"expected a positive int, found {v!r}")
-    for f in ("qk_rope_head_dim", "first_dense_layers", "num_experts", "experts_per_token",
-              "num_shared_experts", "num_mtp_layers"):
-      v = getattr(self, f)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        bad(f, f"expected a non-negative int, found {v!r}")
+    _check_ints(TEXT, self,
+                ("vocab_size", "d_model", "num_layers", "mla_every", "kda_num_heads",
+                 "kda_head_dim", "kda_conv_size", "kda_gate_rank", "num_heads", "kv_lora_rank",
+                 "qk_nope_head_dim", "v_head_dim", "dense_intermediate_size",
+                 "moe_intermediate_size"),
+                ("qk_rope_head_dim", "first_dense_layers", "num_experts", "experts_per_token",
+                 "num_shared_experts", "num_mtp_layers"))
     if self.first_dense_layers > self.num_layers:
       bad("first_dense_layers", f"{self.first_dense_layers} > num_layers={self.num_layers}")
-    if self.first_dense_layers < self.num_layers:  # some MoE layers exist
+    if self.has_moe:
       if self.num_experts < 1:
         bad("num_experts", "MoE layers need at least one expert")
       if not 1 <= self.experts_per_token <= self.num_experts:
@@ -423,13 +387,10 @@ class ModelConfig:
       if self.experts_per_token == self.num_experts:
         bad("experts_per_token", "must be < num_experts: Quantile Balancing reads the "
             "(k+1)-th score as the routing cutoff")
-    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-      bad("q_lora_rank", f"expected a positive int or None, found {self.q_lora_rank!r}")
-    if self.mla_query_block is not None and (
-        not isinstance(self.mla_query_block, int) or self.mla_query_block <= 0):
-      bad("mla_query_block", f"expected a positive int or None, found {self.mla_query_block!r}")
-    if self.latent_moe_dim is not None and self.latent_moe_dim <= 0:
-      bad("latent_moe_dim", f"expected a positive int or None, found {self.latent_moe_dim!r}")
+    for f in ("q_lora_rank", "latent_moe_dim", "attn_res_block_size"):
+      v = getattr(self, f)
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+        bad(f, f"expected a positive int or None, found {v!r}")
     if self.kda_lower_bound is not None and not (
         -88.0 / 16 <= self.kda_lower_bound < 0):
       # The chunked form rescales by exp(-cumulative decay) inside 16-token tiles:
@@ -438,32 +399,95 @@ class ModelConfig:
     if self.kda_a_log_axis not in ("head", "channel"):
       bad("kda_a_log_axis", f"expected 'head' (A_log [H]) or 'channel' (A_log [K], shared by "
           f"the heads), found {self.kda_a_log_axis!r}")
-    if self.kda_chunk_size % 16:
-      bad("kda_chunk_size", f"must be a multiple of the 16-token tile, found {self.kda_chunk_size}")
     if self.activation not in ("situ", "swiglu"):
       bad("activation", f"expected 'situ' or 'swiglu', found {self.activation!r}")
-    if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
-      bad("attn_res_block_size", f"expected a positive int or None, found {self.attn_res_block_size}")
-    if self.mla_last and not self.is_mla(self.num_layers - 1):
-      bad("mla_last", "internal: last layer is not MLA")
+    if self.num_mtp_layers > 1:
+      bad("num_mtp_layers", f"0 or 1 supported, found {self.num_mtp_layers}")
+    # The hybrid needs global attention at the end of the stack (K3 and Kimi Linear both end
+    # on MLA): a stack without any MLA layer is wrong.
+    if not any(self.is_mla(i) for i in range(self.num_layers)):
+      bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
+          "mla_last=False leave no MLA layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunModes:
+  """How the model runs, apart from what it is: numerics, compilation, kernels, the routed
+  experts' storage and quantisation-aware training, LoRA adapters, the EAGLE-3 draft input
+  and the router statistics it sows. None of these is in a release's config.json."""
+
+  # --- numerics and compilation
+  dtype: str = "float32"           # compute dtype for matmuls ("bfloat16" on accelerators)
+  param_dtype: str = "float32"     # Linear + expert kernels (fp32 masters; "bfloat16" halves
+                                   # them; vectors, norms, convs and the router stay fp32)
+  scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
+  remat: bool = False              # rematerialise each layer (scanned group) in the backward
+  kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
+  kda_chunk_size: int = 64         # tokens per chunk of the chunked KDA form (× 16)
+  # Training/prefill attention over more queries than this runs in query blocks of this size,
+  # each rematerialised in the backward pass (temporaries [B,H,block,S] instead of [B,H,T,S]);
+  # None: all queries at once. Numerics are the same.
+  mla_query_block: int | None = 512
+  # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
+  moe_capacity_factor: float | None = None
+
+  # --- routed experts: storage and QAT (docs/notes/moe.md, docs/notes/qat.md)
+  #   "bf16"  unquantised, in `param_dtype` (trainable; the name follows the release's
+  #           vocabulary for "not MXFP4" — with param_dtype="float32" they are fp32 masters);
+  #   "mxfp4" the release's bytes: `experts/{w1,w3,w2}/weight_packed` uint8 (two E2M1 codes a
+  #           byte) + `weight_scale` uint8 (E8M0, one per 32 inputs), dequantised inside the
+  #           expert matmul; not trainable (the optimizer refuses them unless experts are frozen).
+  expert_format: Literal["bf16", "mxfp4"] = "bf16"
+  #   None           experts compute in the dtype they are stored in;
+  #   "mxfp4_mxfp8"  every routed expert matmul sees MXFP4 weights (the exporter's codes:
+  #                  float masters fake-quantised, or packed "mxfp4" experts as they are) and
+  #                  MXFP8 (E4M3, 32-value blocks) inputs — the input of w1/w3 and of w2 —
+  #                  with straight-through gradients (k3jax/quant/qat.py). Set it both to train
+  #                  (bf16 experts) and to serve (mxfp4 experts): the served path is then the
+  #                  trained forward.
+  expert_qat: Literal["mxfp4_mxfp8"] | None = None
+
+  # --- LoRA adapters (docs/notes/lora.md): y = x·W + (lora_alpha / lora_rank)·(x·A)·B on the
+  # projections named by `lora_targets` (LORA_TARGETS), A [in, r] and B [r, out] (B zero at
+  # init) in the Flax collection "lora"; the base weights stay untouched (and may be packed
+  # MXFP4 experts: QLoRA). lora_rank 0: no adapters, the plain model.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+
+  # --- EAGLE-3 draft (§10, §13; docs/notes/eagle.md): the MTP layer's feature input is
+  # `draft_fuse`([B_j for j in eagle_blocks]) instead of the final hidden state, B_j being the
+  # AttnRes representation of layer block j (0: the embeddings, 1 … num_attn_res_blocks: the
+  # blocks' sums in order, the last one being the running sum at the end of the stack; −1
+  # names the last). K3 served with (1, 4, −1). None: the plain MTP layer.
+  eagle_blocks: tuple[int, ...] | None = None
+
+  # --- Quantile Balancing statistics sown by MoE layers (§7)
+  qb_num_bins: int = 1000
+  qb_range: tuple[float, float] = (-2.0, 2.0)
+
+  def __post_init__(self):
+    self.validate()
+
+  def replace(self, **overrides: Any) -> "RunModes":
+    return dataclasses.replace(self, **overrides)
+
+  def validate(self) -> None:
+    def bad(field: str, msg: str):
+      _bad(MODES, field, msg)
+
+    _check_ints(MODES, self, ("kda_chunk_size", "qb_num_bins"), ())
+    if self.kda_chunk_size % 16:
+      bad("kda_chunk_size", f"must be a multiple of the 16-token tile, found {self.kda_chunk_size}")
+    if self.mla_query_block is not None and (
+        not isinstance(self.mla_query_block, int) or self.mla_query_block <= 0):
+      bad("mla_query_block", f"expected a positive int or None, found {self.mla_query_block!r}")
     if self.kernel_backend not in ("xla", "pallas", "auto"):
       bad("kernel_backend", f"expected 'xla', 'pallas' or 'auto', found {self.kernel_backend!r}")
     if self.expert_format not in ("bf16", "mxfp4"):
       bad("expert_format", f"expected 'bf16' or 'mxfp4', found {self.expert_format!r}")
-    if self.expert_format == "mxfp4" and self.num_experts and (
-        (self.latent_moe_dim or self.d_model) % 32 or self.moe_intermediate_size % 32):
-      # MXFP4 blocks run 32 values along each expert matrix's input axis (ℓ or d, and F).
-      bad("expert_format", f"'mxfp4' needs expert widths divisible by 32, found "
-          f"in={self.latent_moe_dim or self.d_model}, moe_intermediate_size="
-          f"{self.moe_intermediate_size}")
     if self.expert_qat not in (None, "mxfp4_mxfp8"):
       bad("expert_qat", f"expected None or 'mxfp4_mxfp8', found {self.expert_qat!r}")
-    if self.expert_qat is not None and self.num_experts and (
-        (self.latent_moe_dim or self.d_model) % 32 or self.moe_intermediate_size % 32):
-      # MX blocks run 32 values along every expert matmul's input axis (ℓ or d, and F).
-      bad("expert_qat", f"{self.expert_qat!r} needs expert widths divisible by 32, found "
-          f"in={self.latent_moe_dim or self.d_model}, moe_intermediate_size="
-          f"{self.moe_intermediate_size}")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in ("float32", "bfloat16", "float16"):
         bad(f, f"expected 'float32', 'bfloat16' or 'float16', found {getattr(self, f)!r}")
@@ -472,39 +496,6 @@ class ModelConfig:
       bad("qb_range", f"expected (low, high) with low < high, found {self.qb_range}")
     if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
       bad("moe_capacity_factor", f"expected None or > 0, found {self.moe_capacity_factor}")
-    if self.num_mtp_layers > 1:
-      bad("num_mtp_layers", f"0 or 1 supported, found {self.num_mtp_layers}")
-    # The hybrid needs global attention at the end of the stack (K3 and Kimi Linear both end
-    # on MLA): a stack without any MLA layer, or a spec preset missing the final MLA, is wrong.
-    if not any(self.is_mla(i) for i in range(self.num_layers)):
-      bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
-          "mla_last=False leave no MLA layer")
-    self._validate_lora(bad)
-    self._validate_vision(bad)
-    self._validate_eagle(bad)
-
-  def _validate_eagle(self, bad) -> None:
-    e = self.eagle_blocks
-    if e is None:
-      return
-    if not isinstance(e, tuple) or not e or not all(
-        isinstance(j, int) and not isinstance(j, bool) for j in e):
-      bad("eagle_blocks", f"expected None or a non-empty tuple of block indices, found {e!r}")
-    if not self.num_mtp_layers:
-      bad("eagle_blocks", "the EAGLE-3 draft is the MTP layer: needs num_mtp_layers=1, found 0")
-    if self.attn_res_block_size is None:
-      bad("eagle_blocks", "needs Block AttnRes (attn_res_block_size), found None")
-    n = self.num_attn_res_blocks
-    out = [j for j in e if not (-1 <= j <= n)]
-    if out:
-      bad("eagle_blocks", f"indices {out} out of range: 0 … {n} (num_attn_res_blocks) or -1")
-
-  def eagle_block_indices(self) -> tuple[int, ...]:
-    """eagle_blocks with −1 resolved to num_attn_res_blocks (the last block)."""
-    n = self.num_attn_res_blocks
-    return tuple(n if j == -1 else j for j in self.eagle_blocks or ())
-
-  def _validate_lora(self, bad) -> None:
     r = self.lora_rank
     if not isinstance(r, int) or isinstance(r, bool) or r < 0:
       bad("lora_rank", f"expected a non-negative int (0: no adapters), found {r!r}")
@@ -521,38 +512,140 @@ class ModelConfig:
       bad("lora_targets", f"duplicate names in {t}")
     if r and not t:
       bad("lora_targets", f"lora_rank={r} needs at least one target from {LORA_TARGETS}")
+    e = self.eagle_blocks
+    if e is not None and (not isinstance(e, tuple) or not e or not all(
+        isinstance(j, int) and not isinstance(j, bool) for j in e)):
+      bad("eagle_blocks", f"expected None or a non-empty tuple of block indices, found {e!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Kimi K3 / Kimi Linear style model: what it is (`text`, `vision`) and how it runs
+  (`modes`), each a validated record, and the checks that span them.
+
+  `preset(name, **overrides)` and `replace(**overrides)` take any field of the records by its
+  own name (the names are unique across `TextConfig` and `RunModes`):
+  `preset("tiny", num_layers=4, dtype="bfloat16")` sets text.num_layers and modes.dtype.
+  """
+
+  name: str = "custom"
+  text: TextConfig = TextConfig()
+  # --- Native vision (§11): the tower + projector, or None for a text-only model. The
+  # projector's outputs replace the embeddings at `media_placeholder_token_id` positions.
+  vision: VisionConfig | None = None
+  media_placeholder_token_id: int | None = None
+  modes: RunModes = RunModes()
+
+  def __post_init__(self):
+    self.validate()
+
+  def replace(self, **overrides: Any) -> "ModelConfig":
+    """This config with `overrides`: top-level fields (`name`, `text`, `vision`,
+    `media_placeholder_token_id`, `modes`) or any field of `TextConfig` / `RunModes` by its
+    own name."""
+    top, text, modes = _route(overrides)
+    if text:
+      top["text"] = top.get("text", self.text).replace(**text)
+    if modes:
+      top["modes"] = top.get("modes", self.modes).replace(**modes)
+    return dataclasses.replace(self, **top)
+
+  def for_inference(self) -> "ModelConfig":
+    """This config for generation and scoring: dropless MoE. A capacity factor is a
+    training-time layout choice; with the few tokens of a decode step it would drop tokens
+    that pick the same expert."""
+    return self.replace(moe_capacity_factor=None)
+
+  def eagle_block_indices(self) -> tuple[int, ...]:
+    """modes.eagle_blocks with −1 resolved to text.num_attn_res_blocks (the last block)."""
+    n = self.text.num_attn_res_blocks
+    return tuple(n if j == -1 else j for j in self.modes.eagle_blocks or ())
 
   def lora_on(self, target: str) -> bool:
     """Whether projections of LoRA target `target` (LORA_TARGETS) carry adapters."""
     if target not in LORA_TARGETS:
       raise ValueError(f"lora target: unknown name {target!r}; expected one of {LORA_TARGETS}")
-    return self.lora_rank > 0 and target in self.lora_targets
+    return self.modes.lora_rank > 0 and target in self.modes.lora_targets
 
   @property
   def lora_scale(self) -> float:
     """alpha / r, the factor of the adapter path (0 without adapters)."""
-    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+    m = self.modes
+    return m.lora_alpha / m.lora_rank if m.lora_rank else 0.0
 
-  def _validate_vision(self, bad) -> None:
+  # ------------------------------------------------------------------ validation
+  def validate(self) -> None:
+    """The checks that span the records (each record checks its own fields)."""
+    def bad(field: str, msg: str):
+      _bad("ModelConfig", field, msg)
+
+    for name, cls in (("text", TextConfig), ("modes", RunModes)):
+      if not isinstance(getattr(self, name), cls):
+        bad(name, f"expected a {cls.__name__}, found {type(getattr(self, name)).__name__}")
+    t, m = self.text, self.modes
+    for f in ("expert_format", "expert_qat"):
+      on = m.expert_format == "mxfp4" if f == "expert_format" else m.expert_qat is not None
+      if on and t.num_experts and (t.expert_in_dim % 32 or t.moe_intermediate_size % 32):
+        # MX blocks run 32 values along every expert matmul's input axis (ℓ or d, and F).
+        bad(f"modes.{f}", f"{getattr(m, f)!r} needs expert widths divisible by 32, found "
+            f"in={t.expert_in_dim}, moe_intermediate_size={t.moe_intermediate_size}")
+    if m.eagle_blocks is not None:
+      if not t.num_mtp_layers:
+        bad("modes.eagle_blocks", "the EAGLE-3 draft is the MTP layer: needs num_mtp_layers=1, "
+            "found 0")
+      if t.attn_res_block_size is None:
+        bad("modes.eagle_blocks", "needs Block AttnRes (attn_res_block_size), found None")
+      n = t.num_attn_res_blocks
+      out = [j for j in m.eagle_blocks if not (-1 <= j <= n)]
+      if out:
+        bad("modes.eagle_blocks",
+            f"indices {out} out of range: 0 … {n} (num_attn_res_blocks) or -1")
     pid = self.media_placeholder_token_id
     if self.vision is None:
       if pid is not None:
-        bad("media_placeholder_token_id", f"{pid} is set but vision is None (a text-only model "
-            "has no media to place)")
+        bad("media_placeholder_token_id", f"{pid} is set but vision is None (a text-only "
+            "model has no media to place)")
       return
     if not isinstance(self.vision, VisionConfig):
       bad("vision", f"expected a VisionConfig or None, found {type(self.vision).__name__}")
-    if self.vision.text_hidden_size != self.d_model:
+    if self.vision.text_hidden_size != t.d_model:
       bad("vision", f"the projector's text_hidden_size {self.vision.text_hidden_size} must "
-          f"equal d_model={self.d_model}")
-    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < self.vocab_size:
+          f"equal d_model={t.d_model}")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < t.vocab_size:
       bad("media_placeholder_token_id", f"a model with vision needs a token id in "
-          f"[0, vocab_size={self.vocab_size}), found {pid!r}")
+          f"[0, vocab_size={t.vocab_size}), found {pid!r}")
+
+
+TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(TextConfig))
+MODE_FIELDS = tuple(f.name for f in dataclasses.fields(RunModes))
+TOP_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+assert not set(TEXT_FIELDS) & set(MODE_FIELDS) and not (
+    set(TEXT_FIELDS) | set(MODE_FIELDS)) & set(TOP_FIELDS), "field names must be unique"
+
+
+def _route(fields: dict) -> tuple[dict, dict, dict]:
+  """Flat field names → (ModelConfig's own, TextConfig's, RunModes'); unknown names are a
+  ValueError naming them."""
+  top, text, modes, unknown = {}, {}, {}, []
+  for k, v in fields.items():
+    if k in TOP_FIELDS:
+      top[k] = v
+    elif k in TEXT_FIELDS:
+      text[k] = v
+    elif k in MODE_FIELDS:
+      modes[k] = v
+    else:
+      unknown.append(k)
+  if unknown:
+    raise ValueError(f"unknown ModelConfig field(s) {sorted(unknown)}")
+  return top, text, modes
 
 
 # ---------------------------------------------------------------------- presets
+# Presets are flat {field: value} dicts (any record's field by its own name); the dataclass
+# defaults are K3's text model (Table 1).
 def _k3() -> dict:
-  # The dataclass defaults are K3's text model (Table 1); the release carries MoonViT-V2 (§11).
+  # The release carries MoonViT-V2 (§11).
   return dict(name="k3", vision=vision_preset("moonvit_v2"), media_placeholder_token_id=163605)
 
 
@@ -620,77 +713,69 @@ PRESETS = {
 }
 
 
+def model_config_from_flat(fields: dict) -> ModelConfig:
+  """A ModelConfig from flat {field: value} (any record's field by its own name; lists become
+  tuples, a vision dict or preset name a VisionConfig; unknown names are a ValueError)."""
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+  top, text, modes = _route(fields)
+  if "vision" in top:
+    top["vision"] = as_vision_config(top["vision"])
+  # A record given whole takes the loose fields of its kind on top.
+  top["text"] = top["text"].replace(**text) if "text" in top else TextConfig(**text)
+  top["modes"] = top["modes"].replace(**modes) if "modes" in top else RunModes(**modes)
+  return ModelConfig(**top)
+
+
 def preset(name: str, **overrides: Any) -> ModelConfig:
-  """A validated preset, with `overrides` applied (unknown fields raise ValueError)."""
+  """A validated preset, with `overrides` applied: any field of ModelConfig, TextConfig or
+  RunModes by its own name (unknown fields raise ValueError)."""
   if name not in PRESETS:
     raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
-  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
-  if unknown:
-    raise ValueError(f"unknown ModelConfig field(s) {unknown}")
-  return ModelConfig(**{**PRESETS[name](), **overrides})
+  return model_config_from_flat({**PRESETS[name](), **overrides})
 
 
 # ---------------------------------------------------------------------- as JSON (checkpoints)
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {k: _jsonable(v) for k, v in x.items()}
+  return list(x) if isinstance(x, tuple) else x
+
+
 def config_to_dict(config: ModelConfig) -> dict:
-  """The config as a JSON-ready dict (what checkpoints store)."""
-  d = dataclasses.asdict(config)
-  d["qb_range"] = list(d["qb_range"])
-  d["lora_targets"] = list(d["lora_targets"])
-  if d["eagle_blocks"] is not None:
-    d["eagle_blocks"] = list(d["eagle_blocks"])
-  return d
-
-
-def config_from_dict(d: dict) -> ModelConfig:
-  """`config_to_dict`'s inverse (ValueError naming unknown fields)."""
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(d) - fields)
-  if unknown:
-    raise ValueError(f"model_config: unknown ModelConfig field(s) {unknown} in checkpoint")
-  d = dict(d)
-  if "qb_range" in d:
-    d["qb_range"] = tuple(d["qb_range"])
-  if "lora_targets" in d:
-    d["lora_targets"] = tuple(d["lora_targets"])
-  if d.get("eagle_blocks") is not None:
-    d["eagle_blocks"] = tuple(d["eagle_blocks"])
-  if "vision" in d:
-    d["vision"] = as_vision_config(d["vision"])
-  return ModelConfig(**d)
+  """The config as a JSON-ready nested dict (what checkpoints store)."""
+  return _jsonable(dataclasses.asdict(config))
 
 
 def flat_fields(config: ModelConfig) -> dict:
-  """{field: value} of every field (tuples as tuples, the vision tower as its dict)."""
-  return {f.name: (dataclasses.asdict(getattr(config, f.name)) if f.name == "vision"
-                   and config.vision is not None else getattr(config, f.name))
-          for f in dataclasses.fields(ModelConfig)}
+  """{field: value} of every field of every record, flat (the vision tower as its dict)."""
+  d = config_to_dict(config)
+  return {**{k: v for k, v in d.items() if k not in ("text", "modes")}, **d["text"],
+          **d["modes"]}
 
 
-def model_config_from_flat(fields: dict) -> ModelConfig:
-  """A ModelConfig from {field: value} (lists become tuples; unknown fields are a ValueError
-  naming them)."""
-  known = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ValueError(f"unknown ModelConfig field(s) {unknown}")
-  d = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-  if "vision" in d:
-    d["vision"] = as_vision_config(d["vision"])
-  return ModelConfig(**d)
+def config_from_dict(d: dict) -> ModelConfig:
+  """`config_to_dict`'s inverse. Also reads the flat form checkpoints written before the
+  records were grouped (every field at the top). Unknown fields are a ValueError naming them."""
+  d = dict(d)
+  for rec in ("text", "modes"):
+    d.update(d.pop(rec, None) or {})
+  try:
+    return model_config_from_flat(d)
+  except ValueError as e:
+    raise ValueError(f"model_config: {e} in checkpoint") from None
 
 
 def config_diff(a: ModelConfig, b: ModelConfig) -> dict:
-  """{field: (a value, b value)} of the fields that differ."""
-  da, db = config_to_dict(a), config_to_dict(b)
-  return {k: (da[k], db.get(k)) for k in da if da[k] != db.get(k)}
-
+  """{field: (a value, b value)} of the fields that differ (flat names)."""
+  da, db = flat_fields(a), flat_fields(b)
+  return {k: (da.get(k), db.get(k)) for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)}
 
 
 def dtype_of(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-__all__ = ["ModelConfig", "VisionConfig", "preset", "flat_fields", "model_config_from_flat", "vision_preset", "as_vision_config",
-           "PRESETS", "VISION_PRESETS", "DEFAULT_BUCKETS", "dtype_of", "config_to_dict", "config_from_dict",
-           "config_diff", "KDA", "MLA", "DENSE", "MOE",
-           "LORA_TARGETS"]
+__all__ = ["ModelConfig", "TextConfig", "RunModes", "VisionConfig", "preset", "vision_preset",
+           "as_vision_config", "model_config_from_flat", "flat_fields", "config_to_dict",
+           "config_from_dict", "config_diff", "dtype_of", "PRESETS", "VISION_PRESETS",
+           "DEFAULT_BUCKETS", "KDA", "MLA", "DENSE", "MOE", "LORA_TARGETS"]

@@ -1,6 +1,6 @@
 """`config.json` (Hugging Face / Moonshot layout) ⇄ `ModelConfig`.
 
-Two source layouts (K3_SPEC.md §9):
+Two source layouts (docs/k3.md §9):
 - Kimi Linear (`model_type: "kimi_linear"`, flat): softplus decay, rank-r output gate,
   `q_lora_rank: null`, classic MoE, SwiGLU, no AttnRes.
 - Kimi K3 (`model_type: "kimi_k3"`): the language model under `text_config` (itself
@@ -18,10 +18,9 @@ because no weight depends on them, are listed by `ignored_keys` (the converter p
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, model_config_from_flat
 from k3jax.config import VisionConfig, vision_preset
 
 K3_MODEL_TYPE = "kimi_k3"
@@ -53,7 +52,7 @@ def detect_arch(d: dict) -> str:
   _bad("model_type", "'kimi_linear' or 'kimi_k3'", d.get("model_type"))
 
 
-# k3jax's own `linear_attn_config` key saying how A_log is read (ModelConfig.kda_a_log_axis):
+# k3jax's own `linear_attn_config` key saying how A_log is read (ModelConfig.text.kda_a_log_axis):
 # true for one rate per key channel. The release's config.json does not say (§12), so the
 # exporter writes the key only for the per-channel reading: a per-head export reads like the
 # release, a per-channel one converts back without the `--a_log` flag.
@@ -238,11 +237,12 @@ def from_hf_config(d: dict, **overrides: Any) -> ModelConfig:
     kw["kda_lower_bound"] = float(kw["kda_lower_bound"])
   if kw["q_lora_rank"] is not None:
     kw["q_lora_rank"] = int(kw["q_lora_rank"])
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise ValueError(f"overrides: unknown ModelConfig field(s) {unknown}")
-  return ModelConfig(**{**kw, **overrides})
+  try:
+    return model_config_from_flat({**kw, **overrides})
+  except ValueError as e:
+    if "unknown ModelConfig field" in str(e):
+      raise ValueError(f"overrides: {e}") from None
+    raise
 
 
 def _vision_fields(d: dict, d_model: int) -> dict:
@@ -384,10 +384,10 @@ def ignored_keys(d: dict) -> dict[str, str]:
 
 def is_k3_style(c: ModelConfig) -> bool:
   """True when the config needs the K3 checkpoint layout (any K3-only feature)."""
-  return (c.attn_res_block_size is not None or c.latent_moe_dim is not None
-          or c.full_rank_gates or c.kda_lower_bound is not None or c.mla_output_gate
-          or c.kda_a_log_axis == "channel"
-          or c.activation == "situ" or c.vision is not None)
+  return (c.text.attn_res_block_size is not None or c.text.latent_moe_dim is not None
+          or c.text.full_rank_gates or c.text.kda_lower_bound is not None or c.text.mla_output_gate
+          or c.text.kda_a_log_axis == "channel"
+          or c.text.activation == "situ" or c.vision is not None)
 
 
 def to_hf_config(c: ModelConfig, arch: str | None = None,
@@ -402,68 +402,70 @@ def to_hf_config(c: ModelConfig, arch: str | None = None,
   if arch not in ("kimi_linear", "kimi_k3"):
     raise ValueError(f"arch: expected 'kimi_linear' or 'kimi_k3', found {arch!r}")
   if arch == "kimi_linear":
-    for f, ok in (("vision", c.vision is None),
-                  ("attn_res_block_size", c.attn_res_block_size is None),
-                  ("latent_moe_dim", c.latent_moe_dim is None),
-                  ("full_rank_gates", not c.full_rank_gates),
-                  ("kda_lower_bound", c.kda_lower_bound is None),
-                  ("kda_a_log_axis", c.kda_a_log_axis == "head"),
-                  ("mla_output_gate", not c.mla_output_gate),
-                  ("activation", c.activation == "swiglu")):
+    t = c.text
+    for f, value, ok in (("vision", c.vision, c.vision is None),
+                         ("text.attn_res_block_size", t.attn_res_block_size,
+                          t.attn_res_block_size is None),
+                         ("text.latent_moe_dim", t.latent_moe_dim, t.latent_moe_dim is None),
+                         ("text.full_rank_gates", t.full_rank_gates, not t.full_rank_gates),
+                         ("text.kda_lower_bound", t.kda_lower_bound, t.kda_lower_bound is None),
+                         ("text.kda_a_log_axis", t.kda_a_log_axis, t.kda_a_log_axis == "head"),
+                         ("text.mla_output_gate", t.mla_output_gate, not t.mla_output_gate),
+                         ("text.activation", t.activation, t.activation == "swiglu")):
       if not ok:
-        raise ValueError(f"ModelConfig.{f}: {getattr(c, f)!r} has no Kimi Linear "
+        raise ValueError(f"ModelConfig.{f}: {value!r} has no Kimi Linear "
                          "config.json form; export with arch='kimi_k3'")
-  n = c.num_layers
-  kinds = [t for t, _ in c.layer_types()]
+  n = c.text.num_layers
+  kinds = [t for t, _ in c.text.layer_types()]
   lac = dict(
-      head_dim=c.kda_head_dim, num_heads=c.kda_num_heads, short_conv_kernel_size=c.kda_conv_size,
+      head_dim=c.text.kda_head_dim, num_heads=c.text.kda_num_heads, short_conv_kernel_size=c.text.kda_conv_size,
       kda_layers=[i + 1 for i in range(n) if kinds[i] == "kda"],
       full_attn_layers=[i + 1 for i in range(n) if kinds[i] == "mla"],
   )
-  if c.kda_gate_rank != c.kda_head_dim:
-    lac["gate_rank"] = c.kda_gate_rank
+  if c.text.kda_gate_rank != c.text.kda_head_dim:
+    lac["gate_rank"] = c.text.kda_gate_rank
   tc = dict(
       model_type=KIMI_LINEAR_MODEL_TYPE,
       architectures=["KimiLinearForCausalLM"],
-      vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=n,
-      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
-      num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
-      q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-      v_head_dim=c.v_head_dim, mla_use_nope=True, attention_bias=False,
-      hidden_act="silu" if c.activation == "swiglu" else "situ",
-      intermediate_size=c.dense_intermediate_size,
-      moe_intermediate_size=c.moe_intermediate_size,
-      num_experts=c.num_experts, num_experts_per_token=c.experts_per_token,
-      num_shared_experts=c.num_shared_experts, first_k_dense_replace=c.first_dense_layers,
+      vocab_size=c.text.vocab_size, hidden_size=c.text.d_model, num_hidden_layers=n,
+      rms_norm_eps=c.text.rms_norm_eps, tie_word_embeddings=c.text.tie_word_embeddings,
+      num_attention_heads=c.text.num_heads, num_key_value_heads=c.text.num_heads,
+      q_lora_rank=c.text.q_lora_rank, kv_lora_rank=c.text.kv_lora_rank,
+      qk_nope_head_dim=c.text.qk_nope_head_dim, qk_rope_head_dim=c.text.qk_rope_head_dim,
+      v_head_dim=c.text.v_head_dim, mla_use_nope=True, attention_bias=False,
+      hidden_act="silu" if c.text.activation == "swiglu" else "situ",
+      intermediate_size=c.text.dense_intermediate_size,
+      moe_intermediate_size=c.text.moe_intermediate_size,
+      num_experts=c.text.num_experts, num_experts_per_token=c.text.experts_per_token,
+      num_shared_experts=c.text.num_shared_experts, first_k_dense_replace=c.text.first_dense_layers,
       moe_layer_freq=1, moe_router_activation_func="sigmoid", moe_renormalize=True,
-      routed_scaling_factor=c.routed_scaling_factor, topk_method="noaux_tc",
-      num_expert_group=1, topk_group=1, num_nextn_predict_layers=c.num_mtp_layers,
+      routed_scaling_factor=c.text.routed_scaling_factor, topk_method="noaux_tc",
+      num_expert_group=1, topk_group=1, num_nextn_predict_layers=c.text.num_mtp_layers,
       linear_attn_config=lac,
       layer_types=["full_attention" if k == "mla" else "linear_attention" for k in kinds],
-      mlp_layer_types=["dense" if i < c.first_dense_layers else "sparse" for i in range(n)],
-      torch_dtype="float32" if c.param_dtype == "float32" else c.param_dtype,
+      mlp_layer_types=["dense" if i < c.text.first_dense_layers else "sparse" for i in range(n)],
+      torch_dtype="float32" if c.modes.param_dtype == "float32" else c.modes.param_dtype,
   )
   if arch == "kimi_linear":
     if expert_format == "mxfp4":
       raise ValueError("expert_format 'mxfp4': Kimi Linear's config.json has no "
                        "quantization_config form (its experts are unquantised)")
     return tc
-  lac.update(use_full_rank_gate=c.full_rank_gates)
-  if c.kda_lower_bound is not None:
-    lac["gate_lower_bound"] = c.kda_lower_bound
-  if c.kda_a_log_axis == "channel":
+  lac.update(use_full_rank_gate=c.text.full_rank_gates)
+  if c.text.kda_lower_bound is not None:
+    lac["gate_lower_bound"] = c.text.kda_lower_bound
+  if c.text.kda_a_log_axis == "channel":
     lac[A_LOG_PER_CHANNEL] = True
   tc.update(
-      mla_use_output_gate=c.mla_output_gate,
-      activation_situ_beta=c.situ_beta1, activation_situ_linear_beta=c.situ_beta2,
+      mla_use_output_gate=c.text.mla_output_gate,
+      activation_situ_beta=c.text.situ_beta1, activation_situ_linear_beta=c.text.situ_beta2,
   )
-  if c.latent_moe_dim is not None:
-    tc.update(routed_expert_hidden_size=c.latent_moe_dim, latent_moe_use_norm=True)
-  if c.attn_res_block_size is not None:
-    tc["attn_res_block_size"] = c.attn_res_block_size
+  if c.text.latent_moe_dim is not None:
+    tc.update(routed_expert_hidden_size=c.text.latent_moe_dim, latent_moe_use_norm=True)
+  if c.text.attn_res_block_size is not None:
+    tc["attn_res_block_size"] = c.text.attn_res_block_size
   out = dict(model_type=K3_MODEL_TYPE, architectures=["KimiK3ForConditionalGeneration"],
-             tie_word_embeddings=c.tie_word_embeddings, text_config=tc)
+             tie_word_embeddings=c.text.tie_word_embeddings, text_config=tc)
   if c.vision is not None:
     out.update(vision_config=vision_config_to_hf(c.vision),
                media_placeholder_token_id=c.media_placeholder_token_id)

@@ -1,12 +1,12 @@
 """K3Model: embedding → hybrid KDA/MLA stack with Block AttnRes → final norm → head (+ MTP).
 
-Layer layout comes from `config.stack_layout()` = (prefix, num_groups, suffix): the prefix and
+Layer layout comes from `config.text.stack_layout()` = (prefix, num_groups, suffix): the prefix and
 suffix layers are unrolled modules `layers_{i}` (global index i); the body is ONE `nn.scan`
 over `num_groups` identical groups (module `body` holding `layers_0 … layers_{mla_every-1}`,
 params stacked on a leading "layers" axis). `scan_layers=False` keeps exactly the same
 parameter tree and only unrolls that loop.
 
-Block AttnRes (spec §5), when `attn_res_block_size` is set, carries a fixed-size buffer
+Block AttnRes (docs/k3.md §5), when `attn_res_block_size` is set, carries a fixed-size buffer
 `blocks` [num_attn_res_blocks, B, T, d] (compute dtype) and the running `partial` [B, T, d]
 (fp32). The number of
 finished blocks before layer i is a function of i alone (`blocks_before(i)`), so the scanned
@@ -29,7 +29,7 @@ changes), and a document's logits are bit-for-bit independent of the other docum
 layer masks with exact zeros; tests/test_model.py), with dropless MoE — with a capacity
 factor, the tokens of a batch compete for an expert's rows by design.
 
-Media (spec §11, when `config.vision` is set): the vision tower `vision_tower` and projector
+Media (docs/k3.md §11, when `config.vision` is set): the vision tower `vision_tower` and projector
 `mm_projector` (top-level params, the release's names) encode a `k3jax.vision.media.Media`;
 the projected tokens replace the embeddings at `media_placeholder_token_id`, in order.
 
@@ -39,7 +39,7 @@ its own cache (the scanned groups carry theirs as scan inputs and outputs, so a 
 compiles one group, not every layer), and `draft` runs the MTP layer on its own cache.
 
 Residual stream, norms' statistics, mixers, attention outputs and logits are fp32; matmuls
-run in `config.dtype`; params are fp32 masters with logical axes (docs/contracts.md).
+run in `config.modes.dtype`; params are fp32 masters with logical axes (docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ class DecoderLayer(nn.Module):
     # layer batch-sharded (and sequence-sharded over `context`) under an active mesh.
     state = sharding.constrain_activations(state)
     cfg = self.config
-    eps = cfg.rms_norm_eps
+    eps = cfg.text.rms_norm_eps
     attn = (KDALayer if self.mixer == KDA else MLALayer)(cfg, name="self_attn")
     if self.mlp == DENSE:
-      mlp = MLP(cfg, cfg.dense_intermediate_size, name="mlp")
+      mlp = MLP(cfg, cfg.text.dense_intermediate_size, name="mlp")
     else:
       mlp = StableLatentMoE(cfg, name="block_sparse_moe")
     input_norm = RMSNorm(eps=eps, name="input_layernorm")
@@ -107,7 +107,7 @@ class DecoderLayer(nn.Module):
       h = sharding.constrain_activations(h + mlp(post_norm(h)).astype(h.dtype))
       return h if cache is None else (h, new_cache)
 
-    bs = cfg.attn_res_block_size
+    bs = cfg.text.attn_res_block_size
     blocks, partial = state
     nb = blocks.shape[0]
     slots = jnp.arange(nb)
@@ -154,11 +154,11 @@ class LayerGroup(nn.Module):
 
   @nn.compact
   def __call__(self, state, group_index, segment_ids, cache=None, feed=None):
-    p = self.config.mla_every
+    p = self.config.text.mla_every
     new = {}
     for j in range(p):
       mixer = MLA if j == p - 1 else KDA
-      layer = DecoderLayer(self.config, mixer, MOE, self.config.attn_res_block_size is not None,
+      layer = DecoderLayer(self.config, mixer, MOE, self.config.text.attn_res_block_size is not None,
                            name=f"layers_{j}")
       index = self.first_layer + group_index * p + j
       if cache is None:
@@ -169,7 +169,7 @@ class LayerGroup(nn.Module):
 
 
 def _maybe_remat(cls, cfg: ModelConfig, static_argnums=(), scanned: bool = False):
-  """`cls` rematerialised in the backward pass when `cfg.remat` — the one remat policy of the
+  """`cls` rematerialised in the backward pass when `cfg.modes.remat` — the one remat policy of the
   model, for the scanned groups and for the unrolled prefix / suffix / MTP layers alike
   (otherwise the unrolled layers' saved residuals stay live until the backward pass; the k3
   memory figures are in docs/notes/sharding.md). `static_argnums` count self as 0.
@@ -179,9 +179,9 @@ def _maybe_remat(cls, cfg: ModelConfig, static_argnums=(), scanned: bool = False
   the forward's identical ops and keep the forward's values alive until the backward — remat
   in name only (k3 QLoRA: each unrolled layer's KDA chunk states and MoE dispatch buffers,
   1.3 GB a chip; docs/notes/lora.md)."""
-  if not cfg.remat:
+  if not cfg.modes.remat:
     return cls
-  return nn.remat(cls, prevent_cse=not (scanned and cfg.scan_layers),
+  return nn.remat(cls, prevent_cse=not (scanned and cfg.modes.scan_layers),
                   static_argnums=static_argnums)
 
 
@@ -200,10 +200,10 @@ class MTP(nn.Module):
   @nn.compact
   def __call__(self, h, next_emb, segment_ids=None, cache=None, feed=None):
     cfg = self.config
-    eps = cfg.rms_norm_eps
+    eps = cfg.text.rms_norm_eps
     x = jnp.concatenate([RMSNorm(eps=eps, name="enorm")(next_emb),
                          RMSNorm(eps=eps, name="hnorm")(h)], axis=-1)
-    x = linear(cfg, cfg.d_model, (None, "embed"), name="eh_proj")(x).astype(jnp.float32)
+    x = linear(cfg, cfg.text.d_model, (None, "embed"), name="eh_proj")(x).astype(jnp.float32)
     layer = _layer_cls(cfg)(cfg, MLA, MOE, attn_res=False, name="layer")
     norm = RMSNorm(eps=eps, name="norm")
     if cache is None:
@@ -282,12 +282,12 @@ class K3Model(nn.Module):
   def setup(self):
     cfg = self.config
     self.embed_tokens = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=jnp.float32, param_dtype=dtype_of(cfg.param_dtype),
+        cfg.text.vocab_size, cfg.text.d_model, dtype=jnp.float32, param_dtype=dtype_of(cfg.modes.param_dtype),
         embedding_init=nn.with_logical_partitioning(
             nn.initializers.normal(1.0), ("vocab", "embed")))
-    attn_res = cfg.attn_res_block_size is not None
-    types = cfg.layer_types()
-    prefix, groups, _ = cfg.stack_layout()
+    attn_res = cfg.text.attn_res_block_size is not None
+    types = cfg.text.layer_types()
+    prefix, groups, _ = cfg.text.stack_layout()
     layer_cls = _layer_cls(cfg)
     self.layers = {i: layer_cls(cfg, *types[i], attn_res) for i in self._unrolled()}
     if groups:
@@ -296,38 +296,38 @@ class K3Model(nn.Module):
           variable_axes={"params": 0, "balance": 0, "lora": 0, "stats": 0,
                          "rewind": 0},
           split_rngs={"params": True}, in_axes=(0, nn.broadcast, 0, nn.broadcast),
-          length=groups, unroll=1 if cfg.scan_layers else groups,
+          length=groups, unroll=1 if cfg.modes.scan_layers else groups,
           metadata_params={nn.PARTITION_NAME: "layers"})(cfg, prefix)
     if attn_res:
       self.output_attn_res = AttnResMixer(cfg)
-    self.norm = RMSNorm(eps=cfg.rms_norm_eps)
-    if not cfg.tie_word_embeddings:
-      self.lm_head = linear(cfg, cfg.vocab_size, ("embed", "vocab"), name="lm_head")
-    if cfg.num_mtp_layers:
+    self.norm = RMSNorm(eps=cfg.text.rms_norm_eps)
+    if not cfg.text.tie_word_embeddings:
+      self.lm_head = linear(cfg, cfg.text.vocab_size, ("embed", "vocab"), name="lm_head")
+    if cfg.text.num_mtp_layers:
       self.mtp = MTP(cfg)
-    if cfg.eagle_blocks is not None:
-      self.draft_fuse = linear(cfg, cfg.d_model, (None, "embed"), name="draft_fuse")
+    if cfg.modes.eagle_blocks is not None:
+      self.draft_fuse = linear(cfg, cfg.text.d_model, (None, "embed"), name="draft_fuse")
     if cfg.vision is not None:
       self.vision_tower = VisionTower(cfg.vision)
       self.mm_projector = Projector(cfg.vision)
 
   def _unrolled(self) -> list[int]:
-    prefix, groups, _ = self.config.stack_layout()
-    return [*range(prefix), *range(prefix + groups * self.config.mla_every,
-                                   self.config.num_layers)]
+    prefix, groups, _ = self.config.text.stack_layout()
+    return [*range(prefix), *range(prefix + groups * self.config.text.mla_every,
+                                   self.config.text.num_layers)]
 
   def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False,
                media: Media | None = None):
     cfg = self.config
-    _check_tokens(tokens, cfg.vocab_size, segment_ids)
+    _check_tokens(tokens, cfg.text.vocab_size, segment_ids)
     if segment_ids is not None:
       segment_ids = document_ids(segment_ids)
-    if return_mtp and not cfg.num_mtp_layers:
-      raise ValueError("K3Model: return_mtp=True needs config.num_mtp_layers=1, found 0")
+    if return_mtp and not cfg.text.num_mtp_layers:
+      raise ValueError("K3Model: return_mtp=True needs config.text.num_mtp_layers=1, found 0")
     x = self._embed(tokens, media)
     h, _, feats = self._stack(x, segment_ids)
     logits = self._head(h)
-    if cfg.num_mtp_layers and (return_mtp or self.is_initializing()):
+    if cfg.text.num_mtp_layers and (return_mtp or self.is_initializing()):
       if return_mtp:
         seg = None if segment_ids is None else mtp_document_ids(segment_ids)
         # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
@@ -344,9 +344,9 @@ class K3Model(nn.Module):
     """(logits fp32 [B,T,vocab], the draft's feature input fp32 [B,T,d]) of a forward pass:
     the targets and the step-0 inputs of EAGLE-3 training (k3jax/posttrain/eagle.py)."""
     cfg = self.config
-    _check_tokens(tokens, cfg.vocab_size, segment_ids)
-    if not cfg.num_mtp_layers:
-      raise ValueError("K3Model.draft_inputs: needs config.num_mtp_layers=1, found 0")
+    _check_tokens(tokens, cfg.text.vocab_size, segment_ids)
+    if not cfg.text.num_mtp_layers:
+      raise ValueError("K3Model.draft_inputs: needs config.text.num_mtp_layers=1, found 0")
     if segment_ids is not None:
       segment_ids = document_ids(segment_ids)
     h, _, feats = self._stack(self._embed(tokens, media), segment_ids)
@@ -374,10 +374,10 @@ class K3Model(nn.Module):
     positions i, or a chained draft's own pre-norm hidden) and next_tokens [B,T] (token i+1),
     appended to `cache.mtp` at cache.mtp_lengths. Returns (logits fp32 [B,T,vocab] predicting
     token i+2, cache), with `return_hidden` (logits, pre-norm hidden fp32 [B,T,d], cache)."""
-    if not self.config.num_mtp_layers:
-      raise ValueError("K3Model.draft: needs config.num_mtp_layers=1, found 0")
+    if not self.config.text.num_mtp_layers:
+      raise ValueError("K3Model.draft: needs config.text.num_mtp_layers=1, found 0")
     _check_feed("draft", next_tokens, cache.mtp_lengths, num_new)
-    want = tuple(next_tokens.shape) + (self.config.d_model,)
+    want = tuple(next_tokens.shape) + (self.config.text.d_model,)
     if hidden.shape != want:
       raise ValueError(f"K3Model.draft: hidden must be [B,T,d]={want}, found {hidden.shape}")
     y, pre, mtp = self.mtp(hidden, self.embed_tokens(next_tokens), None, cache.mtp,
@@ -430,14 +430,14 @@ class K3Model(nn.Module):
     [B,T,len(eagle_blocks)·d] fp32, else None)."""
     cfg = self.config
     b, t, d = x.shape
-    attn_res = cfg.attn_res_block_size is not None
+    attn_res = cfg.text.attn_res_block_size is not None
     # Finished AttnRes blocks are frozen sums, stored in the compute dtype (bf16 halves the
     # largest activations a scanned stack saves for the backward); the running partial sum,
     # which every layer adds to, stays fp32.
-    blocks0 = jnp.zeros((cfg.num_attn_res_blocks, b, t, d), dtype_of(cfg.dtype))
+    blocks0 = jnp.zeros((cfg.text.num_attn_res_blocks, b, t, d), dtype_of(cfg.modes.dtype))
     state = (blocks0, x) if attn_res else x
     new = None if cache is None else {}
-    prefix, groups, _ = cfg.stack_layout()
+    prefix, groups, _ = cfg.text.stack_layout()
 
     def unrolled(i, state):
       if cache is None:
@@ -458,7 +458,7 @@ class K3Model(nn.Module):
     if not attn_res:
       return state, new, None
     feats = None
-    if cfg.eagle_blocks is not None:
+    if cfg.modes.eagle_blocks is not None:
       blocks, partial = state   # blocks[j]: block j (0: the embeddings); block nb: partial
       nb = blocks.shape[0]
       feats = jnp.concatenate([(blocks[j] if j < nb else partial).astype(jnp.float32)
@@ -470,14 +470,14 @@ class K3Model(nn.Module):
     embed.attend; else lm_head)."""
     if not normed:
       h = self.norm(h)
-    if self.config.tie_word_embeddings:
-      return self.embed_tokens.attend(h.astype(dtype_of(self.config.dtype))).astype(jnp.float32)
+    if self.config.text.tie_word_embeddings:
+      return self.embed_tokens.attend(h.astype(dtype_of(self.config.modes.dtype))).astype(jnp.float32)
     return self.lm_head(h).astype(jnp.float32)
 
 
 def layer_kinds(config: ModelConfig) -> dict:
   """Counts and positions of the layer kinds (pure python; used by tests and tools)."""
-  types = config.layer_types()
+  types = config.text.layer_types()
   return {
       "kda": [i for i, (m, _) in enumerate(types) if m == KDA],
       "mla": [i for i, (m, _) in enumerate(types) if m == MLA],
@@ -488,7 +488,7 @@ def layer_kinds(config: ModelConfig) -> dict:
 
 def source_counts(config: ModelConfig) -> dict:
   """AttnRes sources per mixer for `config` (see ops.attnres.attn_res_source_counts)."""
-  return attn_res_source_counts(config.num_layers, config.attn_res_block_size)
+  return attn_res_source_counts(config.text.num_layers, config.text.attn_res_block_size)
 
 
 def abstract_variables(config: ModelConfig) -> dict:

@@ -335,10 +335,10 @@ def check_shapes(config: Any, mesh: Mesh | jax.sharding.AbstractMesh, *,
   ep = axis_size(mesh, "expert")
   cp = axis_size(mesh, "context")
   nb = axis_size(mesh, BATCH_AXES)
-  moe = config.first_dense_layers < config.num_layers
-  if moe and config.num_experts % ep:
+  moe = config.text.first_dense_layers < config.text.num_layers
+  if moe and config.text.num_experts % ep:
     raise ValueError(
-        f"ModelConfig.num_experts: {config.num_experts} experts are not divisible by the "
+        f"ModelConfig.text.num_experts: {config.text.num_experts} experts are not divisible by the "
         f"expert axis size {ep}")
   if seq_len is not None and seq_len % cp:
     raise ValueError(

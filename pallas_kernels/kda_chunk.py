@@ -1,7 +1,7 @@
 """Bounded-decay KDA chunk kernel (Pallas): forward and backward, same results as
 `k3jax.ops.kda.kda_chunked`.
 
-Spec: K3_SPEC.md §3. Recurrence per head, state S [K, V], read after the update:
+Facts: docs/k3.md §3. Recurrence per head, state S [K, V], read after the update:
   S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T ;  o_t = S_t^T q_t.
 
 One chunk of C tokens (C = `chunk_size`, a multiple of 16) is `_chunk_step`, pure jnp on

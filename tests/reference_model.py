@@ -1,4 +1,4 @@
-"""Whole-model forward of Kimi K3 / Kimi Linear in float64 numpy, written from K3_SPEC.md.
+"""Whole-model forward of Kimi K3 / Kimi Linear in float64 numpy, written from docs/k3.md.
 
 Independent of the k3jax implementation: only `k3jax.config` is used (layer types, stack
 layout, dimensions). The layer code was read for parameter names, the parameter tree and a few
@@ -62,12 +62,12 @@ def _rms(x, w, eps):
 
 def _glu(cfg, a, b):
   """Gated activation of the MLPs and experts (§6): SiTU-GLU or SwiGLU. a, b [..., F]."""
-  if cfg.activation == "situ":
-    b1, b2 = cfg.situ_beta1, cfg.situ_beta2
+  if cfg.text.activation == "situ":
+    b1, b2 = cfg.text.situ_beta1, cfg.text.situ_beta2
     return (b1 * np.tanh(a / b1) * _sigmoid(a)) * (b2 * np.tanh(b / b2))
-  if cfg.activation == "swiglu":
+  if cfg.text.activation == "swiglu":
     return _silu(a) * b
-  raise ValueError(f"reference: unknown activation {cfg.activation!r}")
+  raise ValueError(f"reference: unknown activation {cfg.text.activation!r}")
 
 
 def _documents(seg_row) -> np.ndarray:
@@ -85,9 +85,9 @@ def _kernel(p, name):
 def _kda(cfg, p, x, docs):
   """One KDA token mixer. x [B,T,d] (already normed), docs [B,T] → [B,T,d]."""
   bsz, t_len, d = x.shape
-  nh, dk = cfg.kda_num_heads, cfg.kda_head_dim
+  nh, dk = cfg.text.kda_num_heads, cfg.text.kda_head_dim
   dv = dk
-  width = cfg.kda_conv_size
+  width = cfg.text.kda_conv_size
   out = np.zeros((bsz, t_len, d))
   for b in range(bsz):
     xb, doc = x[b], docs[b]
@@ -113,15 +113,15 @@ def _kda(cfg, p, x, docs):
 
     z = np.einsum("tr,rhk->thk", xb @ _kernel(p, "f_a_proj"), _kernel(p, "f_b_proj"))
     arg = z + _f64(p["dt_bias"])                              # dt_bias [H,K]
-    if cfg.kda_a_log_axis == "head":
+    if cfg.text.kda_a_log_axis == "head":
       rate = np.exp(_f64(p["A_log"]))[:, None]                # [H,1]: one rate per head
     else:
       rate = np.exp(_f64(p["A_log"]))[None, :]                # [1,K]: one per key channel,
                                                               # shared by the heads
-    if cfg.kda_lower_bound is None:
+    if cfg.text.kda_lower_bound is None:
       g = -rate * _softplus(arg)                              # Kimi Linear: unbounded
     else:
-      g = cfg.kda_lower_bound * _sigmoid(rate * arg)          # K3: g ∈ (lower_bound, 0)
+      g = cfg.text.kda_lower_bound * _sigmoid(rate * arg)          # K3: g ∈ (lower_bound, 0)
     beta = _sigmoid(xb @ _kernel(p, "b_proj"))                # [T,H]
 
     o = np.zeros((t_len, nh, dv))
@@ -136,11 +136,11 @@ def _kda(cfg, p, x, docs):
         state = state + beta[t, h] * np.outer(kt, v[t, h] - state.T @ kt)
         o[t, h] = state.T @ q[t, h]                           # read after the update
 
-    if cfg.full_rank_gates:
+    if cfg.text.full_rank_gates:
       gate = np.einsum("td,dhk->thk", xb, _kernel(p, "g_proj"))
     else:
       gate = np.einsum("tr,rhk->thk", xb @ _kernel(p, "g_a_proj"), _kernel(p, "g_b_proj"))
-    o = _rms(o, _f64(p["o_norm"]), cfg.rms_norm_eps) * _sigmoid(gate)
+    o = _rms(o, _f64(p["o_norm"]), cfg.text.rms_norm_eps) * _sigmoid(gate)
     out[b] = np.einsum("thv,hvd->td", o, _kernel(p, "o_proj"))
   return out
 
@@ -149,15 +149,15 @@ def _kda(cfg, p, x, docs):
 def _mla(cfg, p, x, docs):
   """One Gated MLA (NoPE) token mixer. x [B,T,d] (already normed), docs [B,T] → [B,T,d]."""
   bsz, t_len, d = x.shape
-  nh, nope, rope, dvh = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-  r = cfg.kv_lora_rank
+  nh, nope, rope, dvh = cfg.text.num_heads, cfg.text.qk_nope_head_dim, cfg.text.qk_rope_head_dim, cfg.text.v_head_dim
+  r = cfg.text.kv_lora_rank
   # The q/kv latent norms use mla_latent_norm_eps (1e-6, Moonshot's code; the spec is silent).
-  leps = cfg.mla_latent_norm_eps
+  leps = cfg.text.mla_latent_norm_eps
   scale = (nope + rope) ** -0.5
   out = np.zeros((bsz, t_len, d))
   for b in range(bsz):
     xb, doc = x[b], docs[b]
-    if cfg.q_lora_rank is not None:
+    if cfg.text.q_lora_rank is not None:
       qa = _rms(xb @ _kernel(p, "q_a_proj"), _f64(p["q_a_layernorm"]["weight"]), leps)
       q = np.einsum("tr,rhk->thk", qa, _kernel(p, "q_b_proj"))
     else:
@@ -177,7 +177,7 @@ def _mla(cfg, p, x, docs):
         w = np.exp(logits - logits.max())
         w /= w.sum()
         o[t, h] = sum(wi * v[s, h] for wi, s in zip(w, keys))
-    if cfg.mla_output_gate:
+    if cfg.text.mla_output_gate:
       o = o * _sigmoid(np.einsum("td,dhv->thv", xb, _kernel(p, "g_proj")))
     out[b] = np.einsum("thv,hvd->td", o, _kernel(p, "o_proj"))
   return out
@@ -195,10 +195,10 @@ def _moe(cfg, p, bias, x, margins):
   x [B,T,d] (already normed), bias [E] → [B,T,d]. Appends each token's routing margin (k-th
   minus (k+1)-th largest biased score) to `margins`.
   """
-  if cfg.moe_capacity_factor is not None:
+  if cfg.modes.moe_capacity_factor is not None:
     raise ValueError("reference: only dropless MoE (moe_capacity_factor=None) is modelled")
-  k = cfg.experts_per_token
-  latent = cfg.latent_moe_dim is not None
+  k = cfg.text.experts_per_token
+  latent = cfg.text.latent_moe_dim is not None
   w_router = _kernel(p, "gate")                               # [d,E]
   w1, w3, w2 = (_f64(p["experts"][n]) for n in ("w1", "w3", "w2"))
   out = np.zeros_like(x)
@@ -210,17 +210,17 @@ def _moe(cfg, p, bias, x, margins):
       order = np.argsort(-biased, kind="stable")
       chosen = order[:k]
       margins.append(biased[order[k - 1]] - biased[order[k]])
-      weights = s[chosen] / (s[chosen].sum() + 1e-20) * cfg.routed_scaling_factor
+      weights = s[chosen] / (s[chosen].sum() + 1e-20) * cfg.text.routed_scaling_factor
       z = xt @ _kernel(p, "routed_expert_down_proj") if latent else xt
       u = np.zeros_like(z)
       for wi, e in zip(weights, chosen):
         u += wi * (_glu(cfg, z @ w1[e], z @ w3[e]) @ w2[e])
       if latent:
-        y = _rms(u, _f64(p["routed_expert_norm"]["weight"]), cfg.rms_norm_eps) @ _kernel(
+        y = _rms(u, _f64(p["routed_expert_norm"]["weight"]), cfg.text.rms_norm_eps) @ _kernel(
             p, "routed_expert_up_proj")
       else:
         y = u
-      if cfg.num_shared_experts:
+      if cfg.text.num_shared_experts:
         y = y + _dense_mlp(cfg, p["shared_experts"], xt)
       out[b, t] = y
   return out
@@ -239,7 +239,7 @@ def _mix(cfg, sources, p):
   for b in range(bsz):
     for t in range(t_len):
       vals = [src[b, t] for src in sources]
-      logits = np.array([_rms(val, nw, cfg.rms_norm_eps) @ w for val in vals])
+      logits = np.array([_rms(val, nw, cfg.text.rms_norm_eps) @ w for val in vals])
       a = np.exp(logits - logits.max())
       a /= a.sum()
       out[b, t] = sum(ai * val for ai, val in zip(a, vals))
@@ -250,9 +250,9 @@ def _mix(cfg, sources, p):
 def _layer_trees(cfg, variables, i):
   """(params, balance) subtrees of global layer i: `layers_{i}`, or slice g of body/layers_j."""
   params, balance = variables["params"], variables.get("balance", {})
-  prefix, groups, _ = cfg.stack_layout()
-  if prefix <= i < prefix + groups * cfg.mla_every:
-    g, j = divmod(i - prefix, cfg.mla_every)
+  prefix, groups, _ = cfg.text.stack_layout()
+  if prefix <= i < prefix + groups * cfg.text.mla_every:
+    g, j = divmod(i - prefix, cfg.text.mla_every)
 
     def take(node):  # slice g of every leaf: the scanned body stacks groups on axis 0
       if isinstance(node, Mapping):
@@ -282,7 +282,7 @@ def _decoder_layer_fns(cfg, lp, lb, mixer, mlp, docs, margins):
 
 def _head(cfg, params, h):
   """Logits [B,T,V] from normed hidden states (untied lm_head, or the tied embedding)."""
-  if cfg.tie_word_embeddings:
+  if cfg.text.tie_word_embeddings:
     return h @ _f64(params["embed_tokens"]["embedding"]).T
   return h @ _kernel(params, "lm_head")
 
@@ -295,7 +295,7 @@ def reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False):
     variables: {"params": ..., "balance": ...} as returned by `K3Model(cfg).init`.
     tokens: int [B,T].
     segment_ids: int [B,T] or None (one document per row).
-    mtp: also run the MTP layer (needs cfg.num_mtp_layers == 1).
+    mtp: also run the MTP layer (needs cfg.text.num_mtp_layers == 1).
 
   Returns:
     dict(logits [B,T,V] float64, mtp_logits [B,T-1,V] float64 or None,
@@ -305,19 +305,19 @@ def reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False):
   tokens = np.asarray(tokens)
   if tokens.ndim != 2:
     raise ValueError(f"reference: tokens must be [B,T], found {tokens.shape}")
-  if mtp and not cfg.num_mtp_layers:
-    raise ValueError("reference: mtp=True needs cfg.num_mtp_layers=1")
+  if mtp and not cfg.text.num_mtp_layers:
+    raise ValueError("reference: mtp=True needs cfg.text.num_mtp_layers=1")
   bsz, t_len = tokens.shape
   seg = np.zeros((bsz, t_len), np.int64) if segment_ids is None else np.asarray(segment_ids)
   docs = np.stack([_documents(row) for row in seg])
   params = variables["params"]
-  eps = cfg.rms_norm_eps
+  eps = cfg.text.rms_norm_eps
   margins: list[float] = []
 
   emb = _f64(params["embed_tokens"]["embedding"])[tokens]    # [B,T,d]
-  bs = cfg.attn_res_block_size
+  bs = cfg.text.attn_res_block_size
   blocks, partial, h = [], emb, emb
-  for i, (mixer, mlp) in enumerate(cfg.layer_types()):
+  for i, (mixer, mlp) in enumerate(cfg.text.layer_types()):
     lp, lb = _layer_trees(cfg, variables, i)
     attn, ffn = _decoder_layer_fns(cfg, lp, lb, mixer, mlp, docs, margins)
     in_w = _f64(lp["input_layernorm"]["weight"])
@@ -348,7 +348,7 @@ def reference_forward(cfg, variables, tokens, segment_ids=None, *, mtp=False):
     # of t, document of t+1): a position whose two tokens lie in different documents is a
     # document of its own.
     feature = h
-    if cfg.eagle_blocks is not None:   # EAGLE-3: draft_fuse over the chosen block representations
+    if cfg.modes.eagle_blocks is not None:   # EAGLE-3: draft_fuse over the chosen block representations
       reps = blocks + [partial]        # reps[j]: block j (0: the embeddings; the last: partial)
       feature = np.concatenate([reps[j] for j in cfg.eagle_block_indices()], axis=-1)
       feature = feature @ _kernel(params, "draft_fuse")

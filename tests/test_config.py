@@ -9,40 +9,40 @@ from k3jax import config as cfg
 
 def test_k3_matches_table_1():
   c = cfg.preset("k3")
-  assert (c.d_model, c.num_layers, c.latent_moe_dim, c.moe_intermediate_size) == (7168, 93, 3584, 3072)
-  assert (c.num_experts, c.experts_per_token, c.num_shared_experts) == (896, 16, 2)
-  assert (c.num_heads, c.kda_num_heads, c.vocab_size, c.dense_intermediate_size) == (96, 96, 163840, 33792)
-  assert c.activation == "situ" and c.kda_lower_bound == -5.0 and c.attn_res_block_size == 12
-  assert c.latent_moe_dim == c.d_model // 2
+  assert (c.text.d_model, c.text.num_layers, c.text.latent_moe_dim, c.text.moe_intermediate_size) == (7168, 93, 3584, 3072)
+  assert (c.text.num_experts, c.text.experts_per_token, c.text.num_shared_experts) == (896, 16, 2)
+  assert (c.text.num_heads, c.text.kda_num_heads, c.text.vocab_size, c.text.dense_intermediate_size) == (96, 96, 163840, 33792)
+  assert c.text.activation == "situ" and c.text.kda_lower_bound == -5.0 and c.text.attn_res_block_size == 12
+  assert c.text.latent_moe_dim == c.text.d_model // 2
 
 
 def test_k3_layout():
   c = cfg.preset("k3")
-  types = c.layer_types()
+  types = c.text.layer_types()
   mla = [i for i, (m, _) in enumerate(types) if m == cfg.MLA]
   assert mla == list(range(3, 92, 4)) + [92]
   assert len(mla) == 24 and sum(m == cfg.KDA for m, _ in types) == 69
   assert [i for i, (_, f) in enumerate(types) if f == cfg.DENSE] == [0]
   # prefix 0–3 unrolled, 22 scanned groups of [KDA, KDA, KDA, MLA] (4–91), suffix 92
-  assert c.stack_layout() == (4, 22, 1)
-  assert c.num_attn_res_blocks == 8
+  assert c.text.stack_layout() == (4, 22, 1)
+  assert c.text.num_attn_res_blocks == 8
 
 
 @pytest.mark.parametrize("name", sorted(cfg.PRESETS))
 def test_presets_are_consistent(name):
   c = cfg.preset(name)
-  prefix, groups, suffix = c.stack_layout()
-  assert prefix + groups * c.mla_every + suffix == c.num_layers
-  assert c.is_mla(c.num_layers - 1)
+  prefix, groups, suffix = c.text.stack_layout()
+  assert prefix + groups * c.text.mla_every + suffix == c.text.num_layers
+  assert c.text.is_mla(c.text.num_layers - 1)
 
 
 def test_kimi_linear_switches():
   c = cfg.preset("kimi_linear_48b")
-  assert c.kda_lower_bound is None and not c.full_rank_gates and c.attn_res_block_size is None
-  assert c.latent_moe_dim is None and c.activation == "swiglu" and c.q_lora_rank is None
-  assert [i + 1 for i, (m, _) in enumerate(c.layer_types()) if m == cfg.MLA] == [4, 8, 12, 16, 20, 24, 27]
+  assert c.text.kda_lower_bound is None and not c.text.full_rank_gates and c.text.attn_res_block_size is None
+  assert c.text.latent_moe_dim is None and c.text.activation == "swiglu" and c.text.q_lora_rank is None
+  assert [i + 1 for i, (m, _) in enumerate(c.text.layer_types()) if m == cfg.MLA] == [4, 8, 12, 16, 20, 24, 27]
   # A_log one rate per head, in Kimi Linear and (until the release says otherwise) in K3
-  assert c.kda_a_log_axis == "head" and cfg.preset("k3").kda_a_log_axis == "head"
+  assert c.text.kda_a_log_axis == "head" and cfg.preset("k3").text.kda_a_log_axis == "head"
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -75,4 +75,4 @@ def test_unknown_preset_and_field():
 def test_frozen():
   c = cfg.preset("tiny")
   with pytest.raises(dataclasses.FrozenInstanceError):
-    c.d_model = 3  # type: ignore[misc]
+    c.text.d_model = 3  # type: ignore[misc]

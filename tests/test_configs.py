@@ -20,7 +20,7 @@ def test_config_builds_a_valid_model(name):
   cfg = importlib.import_module(f"configs.{name}").get_config()
   # The typed run config validates every field (and ModelConfig its own).
   run = rl_config(cfg).run if "rl" in cfg else run_config(cfg)
-  assert run.model.num_layers >= 1 and run.train.steps >= 1
+  assert run.model.text.num_layers >= 1 and run.train.steps >= 1
   assert set(cfg) <= {"seed", "model", "train", "optim", "balance", "data", "mesh", *RL_GROUPS}
 
 
@@ -31,6 +31,6 @@ def test_gpu_1b_is_k3_shaped_at_one_billion():
   total, active = counts["total"], counts["activated"]
   assert 0.95e9 < total < 1.15e9 and 0.25e9 < active < 0.4e9, (total, active)
   # K3's kernel shapes: KDA K = V = 128 with the bounded gate, 8 of 64 experts, bf16 compute.
-  assert model.kda_head_dim == 128 and model.kda_lower_bound is not None
-  assert (model.num_experts, model.experts_per_token) == (64, 8)
-  assert model.dtype == "bfloat16" and cfg.train.seq_len * cfg.train.batch_size >= 16384
+  assert model.text.kda_head_dim == 128 and model.text.kda_lower_bound is not None
+  assert (model.text.num_experts, model.text.experts_per_token) == (64, 8)
+  assert model.modes.dtype == "bfloat16" and cfg.train.seq_len * cfg.train.batch_size >= 16384

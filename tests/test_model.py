@@ -67,9 +67,9 @@ def random_variables(model, tokens, seed=0):
 def setup(name, **overrides):
   cfg = preset(name, **overrides)
   model = K3Model(cfg)
-  tokens = jax.random.randint(jax.random.key(7), (B, T), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(7), (B, T), 0, cfg.text.vocab_size)
   v = random_variables(model, tokens)
-  mtp = bool(cfg.num_mtp_layers)
+  mtp = bool(cfg.text.num_mtp_layers)
   fwd = jax.jit(lambda v, t, s: model.apply(v, t, segment_ids=s, return_mtp=mtp,
                                             mutable=["stats"]))
   return cfg, model, v, tokens, fwd
@@ -104,15 +104,15 @@ def test_model_matches_float64_reference(name, a_log_axis):
   overrides = {} if a_log_axis == "head" else {"kda_a_log_axis": a_log_axis}
   cfg, _, v, tok, fwd = setup(name, **overrides)
   assert v["params"]["layers_0"]["self_attn"]["A_log"].shape == (
-      cfg.kda_num_heads if a_log_axis == "head" else cfg.kda_head_dim,)
-  mtp = bool(cfg.num_mtp_layers)
+      cfg.text.kda_num_heads if a_log_axis == "head" else cfg.text.kda_head_dim,)
+  mtp = bool(cfg.text.num_mtp_layers)
   logits, mtp_logits = _split(fwd(v, tok, PACKED))
   ref = reference_forward(cfg, v, tok, PACKED, mtp=mtp)
   assert ref["min_route_margin"] > 1e-5, ref["min_route_margin"]
-  assert ref["logits"].shape == logits.shape == (B, T, cfg.vocab_size)
+  assert ref["logits"].shape == logits.shape == (B, T, cfg.text.vocab_size)
   assert _rel_err(logits, ref["logits"]) <= REL_TOL
   if mtp:
-    assert ref["mtp_logits"].shape == mtp_logits.shape == (B, T - 1, cfg.vocab_size)
+    assert ref["mtp_logits"].shape == mtp_logits.shape == (B, T - 1, cfg.text.vocab_size)
     assert _rel_err(mtp_logits, ref["mtp_logits"]) <= REL_TOL
   else:
     assert ref["mtp_logits"] is None
@@ -138,12 +138,12 @@ def test_causality(name):
   are within REL_TOL of the float64 reference, whose prefix is exactly unchanged), and the
   changed position itself moves."""
   cfg, _, v, tok, fwd = setup(name)
-  mtp = bool(cfg.num_mtp_layers)
+  mtp = bool(cfg.text.num_mtp_layers)
   for seg in (UNPACKED, PACKED):
     base, base_mtp = _split(fwd(v, tok, seg))
     ref = reference_forward(cfg, v, tok, seg, mtp=mtp)
     for t in (2, 8):
-      tok2 = tok.at[:, t + 1].set((tok[:, t + 1] + 1) % cfg.vocab_size)
+      tok2 = tok.at[:, t + 1].set((tok[:, t + 1] + 1) % cfg.text.vocab_size)
       got, got_mtp = _split(fwd(v, tok2, seg))
       ref2 = reference_forward(cfg, v, tok2, seg, mtp=mtp)
       np.testing.assert_array_equal(ref2["logits"][:, :t + 1], ref["logits"][:, :t + 1])
@@ -176,8 +176,8 @@ def _loss_grad(name, remat=False):
   loss, or all ones). Shared by the isolation and remat tests: one compile per program."""
   cfg, _, v, _, _ = setup(name)
   model = K3Model(cfg.replace(remat=remat))
-  mtp = bool(cfg.num_mtp_layers)
-  ct = np.random.default_rng(1).normal(size=(B, T, cfg.vocab_size)).astype(np.float32)
+  mtp = bool(cfg.text.num_mtp_layers)
+  ct = np.random.default_rng(1).normal(size=(B, T, cfg.text.vocab_size)).astype(np.float32)
 
   def loss(params, tok, seg, w):
     out = model.apply({**v, "params": params}, tok, segment_ids=seg, return_mtp=mtp)
@@ -205,7 +205,7 @@ def test_documents_are_bitwise_isolated(name, packed):
   else:
     doc[1] = True       # row 1; the other document is row 0
     others = ~doc
-  tok2 = jnp.where(jnp.asarray(others), (tok + 1 + jnp.arange(T)) % cfg.vocab_size, tok)
+  tok2 = jnp.where(jnp.asarray(others), (tok + 1 + jnp.arange(T)) % cfg.text.vocab_size, tok)
   base, base_mtp = _split(fwd(v, tok, seg))
   got, got_mtp = _split(fwd(v, tok2, seg))
   if base_mtp is not None:   # mtp_logits[:, t] reads tokens t and t + 1
@@ -235,7 +235,7 @@ def test_packed_document_equals_document_alone(name):
   and KDA's 16-token tiles group a document's terms by absolute position, so B's sums round in
   another grouping. Both B's are within REL_TOL of the float64 reference of B."""
   cfg, _, v, tok, fwd = setup(name)
-  pad = (tok[0] + 7) % cfg.vocab_size
+  pad = (tok[0] + 7) % cfg.text.vocab_size
   row_b = jnp.concatenate([tok[0, 6:], pad[:6]])
   alone_a = tok.at[0, 6:].set(pad[6:])
   alone_b = tok.at[0].set(row_b)
@@ -255,47 +255,47 @@ def test_stats_collection():
   cfg, _, v, tok, fwd = setup("tiny")
   _, st = fwd(v, tok, UNPACKED)
   st = st["stats"]
-  prefix, groups, _ = cfg.stack_layout()
-  e, h = cfg.num_experts, cfg.num_heads
-  moe_layers = [f"layers_{i}" for i in range(cfg.first_dense_layers, prefix)] + ["layers_12"]
+  prefix, groups, _ = cfg.text.stack_layout()
+  e, h = cfg.text.num_experts, cfg.text.num_heads
+  moe_layers = [f"layers_{i}" for i in range(cfg.text.first_dense_layers, prefix)] + ["layers_12"]
   for name in moe_layers:
     s = st[name]["block_sparse_moe"]
-    np.testing.assert_array_equal(s["load"].sum(), B * T * cfg.experts_per_token)
-    assert s["margin_hist"].shape == (e, cfg.qb_num_bins) and s["margin_hist"].dtype == jnp.int32
+    np.testing.assert_array_equal(s["load"].sum(), B * T * cfg.text.experts_per_token)
+    assert s["margin_hist"].shape == (e, cfg.modes.qb_num_bins) and s["margin_hist"].dtype == jnp.int32
     np.testing.assert_array_equal(s["margin_hist"].sum(1), np.full(e, B * T))
     assert s["dropped"].shape == () and int(s["dropped"]) == 0
   assert "block_sparse_moe" not in st.get("layers_0", {})  # dense layer 0
-  for j in range(cfg.mla_every):
+  for j in range(cfg.text.mla_every):
     s = st["body"][f"layers_{j}"]["block_sparse_moe"]
     assert s["load"].shape == (groups, e) and s["margin_hist"].shape == (groups, e,
-                                                                         cfg.qb_num_bins)
-    np.testing.assert_array_equal(s["load"].sum(1), np.full(groups, B * T * cfg.experts_per_token))
-  assert st["body"][f"layers_{cfg.mla_every - 1}"]["self_attn"]["max_logit"].shape == (groups, h)
+                                                                         cfg.modes.qb_num_bins)
+    np.testing.assert_array_equal(s["load"].sum(1), np.full(groups, B * T * cfg.text.experts_per_token))
+  assert st["body"][f"layers_{cfg.text.mla_every - 1}"]["self_attn"]["max_logit"].shape == (groups, h)
   for name in ("layers_3", "layers_12"):
     ml = st[name]["self_attn"]["max_logit"]
     assert ml.shape == (h,) and ml.dtype == jnp.float32 and np.all(np.isfinite(ml))
   assert st["mtp"]["layer"]["self_attn"]["max_logit"].shape == (h,)
   # plain apply: logits only (traced, not compiled: the contract is the output structure)
   plain = jax.eval_shape(K3Model(cfg).apply, v, tok)
-  assert isinstance(plain, jax.ShapeDtypeStruct) and plain.shape == (B, T, cfg.vocab_size)
+  assert isinstance(plain, jax.ShapeDtypeStruct) and plain.shape == (B, T, cfg.text.vocab_size)
 
 
 SMALL = dict(num_layers=5, first_dense_layers=0, mla_every=2, attn_res_block_size=2)  # body of 2 groups [KDA, MLA] from layer 0, blocks close inside
 
 
 def test_scan_and_unrolled_match_the_reference():
-  """The scanned body (traced layer index) and the unrolled loop both compute spec §5: each
+  """The scanned body (traced layer index) and the unrolled loop both compute docs/k3.md §5: each
   within REL_TOL of the float64 reference (a wrong layer order or schedule is off by O(max))."""
   cfg = preset("tiny", **SMALL, num_mtp_layers=0)
-  assert cfg.stack_layout() == (0, 2, 1)
-  tok = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.vocab_size)
+  assert cfg.text.stack_layout() == (0, 2, 1)
+  tok = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.text.vocab_size)
   v = random_variables(K3Model(cfg), tok)
   seg = PACKED
   ref = reference_forward(cfg, v, tok, seg)
   assert ref["min_route_margin"] > 1e-5   # no routing decision within fp32 rounding of a tie
   for c in (cfg, cfg.replace(scan_layers=False)):
     got = jax.jit(lambda v, t, c=c: K3Model(c).apply(v, t, segment_ids=seg))(v, tok)
-    assert _rel_err(got, ref["logits"]) <= REL_TOL, c.scan_layers
+    assert _rel_err(got, ref["logits"]) <= REL_TOL, c.modes.scan_layers
 
 
 def test_init_tree_and_partitioning():
@@ -313,11 +313,11 @@ def test_init_tree_and_partitioning():
   assert sorted(body["layers_0"]) == ["block_sparse_moe", "input_layernorm", "mlp_res",
                                       "post_attention_layernorm", "self_attention_res",
                                       "self_attn"]
-  assert body["layers_0"]["self_attn"]["A_log"].shape == (2, cfg.kda_num_heads)
+  assert body["layers_0"]["self_attn"]["A_log"].shape == (2, cfg.text.kda_num_heads)
   assert "kv_b_proj" in body["layers_1"]["self_attn"] and "kv_b_proj" in p["layers_4"]["self_attn"]
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(v))
   assert v["balance"]["body"]["layers_0"]["block_sparse_moe"]["gate"][
-      "e_score_correction_bias"].shape == (2, cfg.num_experts)
+      "e_score_correction_bias"].shape == (2, cfg.text.num_experts)
   # logical axes on every parameter; the scanned ones gain "layers" in front
   is_box = lambda b: isinstance(b, nn.LogicallyPartitioned)  # noqa: E731
   boxes = jax.tree.leaves(boxed, is_leaf=is_box)
@@ -340,7 +340,7 @@ def test_k3_layout_and_eval_shape_is_fast():
   assert len(kinds["kda"]) == 69 and len(kinds["mla"]) == 24
   assert kinds["mla"] == list(range(3, 92, 4)) + [92]
   assert kinds["dense"] == [0] and kinds["moe"] == list(range(1, 93))
-  assert cfg.stack_layout() == (4, 22, 1)
+  assert cfg.text.stack_layout() == (4, 22, 1)
   assert source_counts(cfg)["output"] == 9
   t0 = time.perf_counter()
   shapes = jax.eval_shape(K3Model(cfg).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
@@ -360,10 +360,10 @@ def test_tied_embeddings_mtp_tree_and_remat_trace():
   cfg = preset("tiny", tie_word_embeddings=True)
   shapes = nn.unbox(jax.eval_shape(K3Model(cfg).init, jax.random.key(0), tok))
   assert "lm_head" not in shapes["params"]
-  assert jax.eval_shape(K3Model(cfg).apply, shapes, tok).shape == (1, 4, cfg.vocab_size)
+  assert jax.eval_shape(K3Model(cfg).apply, shapes, tok).shape == (1, 4, cfg.text.vocab_size)
   m = shapes["params"]["mtp"]
   assert sorted(m) == ["eh_proj", "enorm", "hnorm", "layer", "norm"]
-  assert m["eh_proj"]["kernel"].shape == (2 * cfg.d_model, cfg.d_model)
+  assert m["eh_proj"]["kernel"].shape == (2 * cfg.text.d_model, cfg.text.d_model)
   assert "kv_b_proj" in m["layer"]["self_attn"] and "block_sparse_moe" in m["layer"]
   # T = 1: init still creates the MTP params; return_mtp gives [B, 0, vocab]
   one = nn.unbox(jax.eval_shape(K3Model(cfg).init, jax.random.key(0), tok[:, :1]))
@@ -388,7 +388,7 @@ def test_remat_changes_nothing():
   per parameter group, match central differences of the float64 reference (a layer skipped
   or run twice is off by O(1))."""
   cfg, model, v, tok, fwd = setup("tiny")
-  assert cfg.stack_layout() == (4, 2, 1) and cfg.num_mtp_layers   # prefix, body, suffix, MTP
+  assert cfg.text.stack_layout() == (4, 2, 1) and cfg.text.num_mtp_layers   # prefix, body, suffix, MTP
   model_r = K3Model(cfg.replace(remat=True))
   fwd_r = jax.jit(lambda v, t, s: model_r.apply(v, t, segment_ids=s, return_mtp=True,
                                                 mutable=["stats"]))   # the same program as fwd's
@@ -428,7 +428,7 @@ def test_bad_input():
   with pytest.raises(ValueError, match="integer dtype"):
     model.apply(v, tok.astype(jnp.float32))
   with pytest.raises(ValueError, match="vocab_size"):
-    model.apply(v, tok.at[0, 0].set(cfg.vocab_size))
+    model.apply(v, tok.at[0, 0].set(cfg.text.vocab_size))
   with pytest.raises(ValueError, match="segment_ids"):
     model.apply(v, tok, segment_ids=jnp.zeros((B, T - 1), jnp.int32))
   with pytest.raises(ValueError, match="num_mtp_layers"):

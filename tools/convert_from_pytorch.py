@@ -31,8 +31,8 @@ them see; process i converts its share and process 0 saves the checkpoint once e
 written. Resume: an interrupted conversion leaves `.DST_NAME.partial/` beside --dst; the same
 command skips what it completed (other flags or a changed source are refused).
 
-K3's A_log has 128 entries for 96 heads (K3_SPEC §12), and how to read them is not settled.
---a_log=crop keeps the first 96 as the heads' rates (ModelConfig.kda_a_log_axis="head"),
+K3's A_log has 128 entries for 96 heads (docs/k3.md §12), and how to read them is not settled.
+--a_log=crop keeps the first 96 as the heads' rates (ModelConfig.text.kda_a_log_axis="head"),
 --a_log=channel all 128 as one rate per key dimension shared by the heads ("channel");
 --a_log=auto (default) crops when entries 96-127 are exactly zero in every layer, follows
 config.json's `a_log_per_channel` when a k3jax export wrote one, and otherwise stops with the
@@ -73,7 +73,7 @@ flags.DEFINE_bool("check_only", False, "check names, shapes and dtypes from the 
                   "against config.json; write nothing")
 flags.DEFINE_enum("expert_format", "bf16", ["bf16", "mxfp4"],
                   "routed experts of the result: bf16 (MXFP4 decoded to --dtype) or mxfp4 "
-                  "(the release's bytes kept packed: ModelConfig.expert_format='mxfp4')")
+                  "(the release's bytes kept packed: ModelConfig.modes.expert_format='mxfp4')")
 flags.DEFINE_integer("mtp_seed", 0, "seed of the fresh MTP layer when the source has none")
 flags.DEFINE_integer("workers", None, "processes converting at once (default: one per CPU "
                      "core, at most 8)")

@@ -18,7 +18,7 @@ dt_bias, the short convs, o_norm and the router bias fp32, everything else — t
 matrices included, as the release's published size shows — in --dtype (bf16 by default, as
 released; float32 writes fp32 masters exactly).
 
-Names and files are the release's (K3_SPEC §12): `language_model.model.*` +
+Names and files are the release's (docs/k3.md §12): `language_model.model.*` +
 `language_model.lm_head.weight` with a vision tower, bare `model.*` + `lm_head.weight`
 text-only (--text_prefix overrides); shards of at most --max_shard_gb with
 `model.safetensors.index.json`; config.json with `quantization_config` when experts are MXFP4.

@@ -36,7 +36,7 @@ def merge_checkpoint(base: str, adapters: str, dst: str):
   if diff:
     raise ValueError(f"--adapters {adapters!r} were trained for another model than --base "
                      f"{base!r}; differing fields (adapters, base): {diff}")
-  config = config.replace(expert_format=base_config.expert_format)
+  config = config.replace(expert_format=base_config.modes.expert_format)
   merged_config, merged = merge_adapters(config, {**variables, "lora": lora})
   return merged_config, save_pretrained(dst, merged_config, merged)
 
@@ -55,7 +55,7 @@ def define_flags() -> None:
 def main(argv):
   del argv
   config, path = merge_checkpoint(FLAGS.base, FLAGS.adapters, FLAGS.dst)
-  print(f"wrote {path} ({config.name}, expert_format={config.expert_format})")
+  print(f"wrote {path} ({config.name}, expert_format={config.modes.expert_format})")
   if FLAGS.export_dir:
     from k3jax.convert import export
     out = export(FLAGS.dst, FLAGS.export_dir, expert_format=FLAGS.expert_format,

@@ -14,7 +14,7 @@ vision: when the config has a vision tower (`config.vision`; k3 carries MoonViT-
 parameters (`vision_tower/*`) and the projector's (`mm_projector/*`) are reported as
 {"preset", "tower", "projector", "total"} beside — never inside — the text totals above.
 `--vision_preset none` drops the tower, another `k3jax.vision` preset replaces it (its
-projector width set to the text model's d_model). k3: tower 401.21M (spec §11: 401M),
+projector width set to the text model's d_model). k3: tower 401.21M (docs/k3.md §11: 401M),
 projector 46.14M (4096² + 4096·7168 + 7168 post-norm), 447.36M in all.
 
 bytes: the text model's weight bytes (the `total` above) per expert format —
@@ -82,11 +82,11 @@ def count_params(config) -> dict:
 
   from k3jax.model import K3Model
 
-  if getattr(config, "expert_format", "bf16") != "bf16":   # count weights, not packed bytes
+  if config.modes.expert_format != "bf16":   # count weights, not packed bytes
     config = config.replace(expert_format="bf16")
   shapes = nn.unbox(jax.eval_shape(K3Model(config).init, jax.random.key(0),
                                    jnp.zeros((1, 2), jnp.int32)))
-  frac = config.experts_per_token / config.num_experts if config.num_experts else 0.0
+  frac = config.text.experts_per_token / config.text.num_experts if config.text.num_experts else 0.0
   comps = {c: {"total": 0, "activated": 0} for c in COMPONENTS}
   mtp = 0
 
@@ -213,7 +213,7 @@ def format_lora(c: dict) -> str:
 
 def with_vision(config, vision_preset: str = ""):
   """`config` with the tower `--vision_preset` names: "" keeps config.vision; "none" drops it;
-  another name is that `k3jax.vision` preset, its projector width set to config.d_model (a
+  another name is that `k3jax.vision` preset, its projector width set to config.text.d_model (a
   config without a placeholder id gets the byte tokenizer's <media>, 260)."""
   from k3jax.config import vision_preset as make_vision
 
@@ -222,7 +222,7 @@ def with_vision(config, vision_preset: str = ""):
   if vision_preset == "none":
     return config.replace(vision=None, media_placeholder_token_id=None)
   pid = config.media_placeholder_token_id
-  return config.replace(vision=make_vision(vision_preset, text_hidden_size=config.d_model),
+  return config.replace(vision=make_vision(vision_preset, text_hidden_size=config.text.d_model),
                         media_placeholder_token_id=260 if pid is None else pid)
 
 

@@ -1,7 +1,7 @@
 """The release's tensor dtypes: the one table export writes from and `--check_only` compares with.
 
 `RELEASE_DTYPES` gives, for every released tensor name, the dtype the K3 release stores it in
-and where that comes from: a section of K3_SPEC.md, a public fact about the published files,
+and where that comes from: a section of docs/k3.md, a public fact about the published files,
 or k3jax's choice where neither says. The first rule whose pattern matches (`re.search`) wins.
   * export: "uint8" and "float32" entries are written so; "bfloat16" entries in the export's
     `--dtype` (bf16 by default, the release's; float32 writes fp32 masters exactly).
@@ -39,24 +39,24 @@ class DtypeRule:
 
 RELEASE_DTYPES: tuple[DtypeRule, ...] = (
     DtypeRule(r"\.weight_(packed|scale)$", "uint8",
-              "K3_SPEC §9 and public: routed experts' MXFP4 bytes and E8M0 scales are U8"),
+              "docs/k3.md §9 and public: routed experts' MXFP4 bytes and E8M0 scales are U8"),
     DtypeRule(r"\.A_log$", "float32",
-              "K3_SPEC §9/§12 and public: A_log is F32 [128] (read from the first shard)"),
-    DtypeRule(r"\.dt_bias$", "float32", "K3_SPEC §9: dt_bias fp32"),
-    DtypeRule(r"_conv1d\.weight$", "float32", "K3_SPEC §9: the KDA short convs fp32"),
-    DtypeRule(r"\.o_norm\.weight$", "float32", "K3_SPEC §9: o_norm fp32"),
-    DtypeRule(r"\.e_score_correction_bias$", "float32", "K3_SPEC §9: the router bias fp32"),
+              "docs/k3.md §9/§12 and public: A_log is F32 [128] (read from the first shard)"),
+    DtypeRule(r"\.dt_bias$", "float32", "docs/k3.md §9: dt_bias fp32"),
+    DtypeRule(r"_conv1d\.weight$", "float32", "docs/k3.md §9: the KDA short convs fp32"),
+    DtypeRule(r"\.o_norm\.weight$", "float32", "docs/k3.md §9: o_norm fp32"),
+    DtypeRule(r"\.e_score_correction_bias$", "float32", "docs/k3.md §9: the router bias fp32"),
     DtypeRule(r"\.block_sparse_moe\.gate\.weight$", "bfloat16",
-              "size evidence (K3_SPEC §12): 1.561 TB published; bf16 routers give 1.5609 TB, "
+              "size evidence (docs/k3.md §12): 1.561 TB published; bf16 routers give 1.5609 TB, "
               "fp32 ones 1.5620 TB"),
     DtypeRule(r"^(vision_tower|mm_projector)\.", "bfloat16",
-              "K3_SPEC §11 and public: the vision tensors are BF16 (patch_embed.proj, pos_emb, "
+              "docs/k3.md §11 and public: the vision tensors are BF16 (patch_embed.proj, pos_emb, "
               "wqkv, final_layernorm)"),
     DtypeRule(r"(norm|_res_proj)\.weight$", "bfloat16",
-              "k3jax's choice: norms and AttnRes vectors bf16, as K3_SPEC §12's accounting "
+              "k3jax's choice: norms and AttnRes vectors bf16, as docs/k3.md §12's accounting "
               "assumes and as the vision final_layernorm is (the size cannot tell: 8.8 MB)"),
     DtypeRule(r"", "bfloat16",
-              "K3_SPEC §12 and public: every other float tensor BF16 (q_a_proj, q_b_proj, "
+              "docs/k3.md §12 and public: every other float tensor BF16 (q_a_proj, q_b_proj, "
               "kv_a_proj_with_mqa, kv_b_proj, g_proj published as BF16)"),
 )
 

@@ -14,16 +14,16 @@ Kinds (PyTorch → ours, for one slice):
              `pipeline.resolve_a_log` decides the reading and reports any non-zero entry dropped)
   patch_conv the vision tower's patch conv [D, C, P, P] → [C·P·P, D]
   +mx        MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] decoded first
-  u8         bytes kept as they are: with ModelConfig.expert_format="mxfp4" each MXFP4 expert
+  u8         bytes kept as they are: with ModelConfig.modes.expert_format="mxfp4" each MXFP4 expert
              leaf becomes `…/experts/<w>/weight_packed` + `weight_scale` (k3jax/quant/mx.py),
              one release tensor per expert slot, never decoded
 
-With `config.vision` set, the vision tower and projector (spec §11, `k3jax.convert.vision_names`) are
+With `config.vision` set, the vision tower and projector (docs/k3.md §11, `k3jax.convert.vision_names`) are
 leaves too: top-level `params/vision_tower/…` and `params/mm_projector/…`, released names
 `vision_tower.*` / `mm_projector.*` without a prefix; their fused wqkv [3·H·Dh, D] and wo
 [D, H·Dh] are `linear` (a transpose and a reshape), biases and norms `copy`.
 
-Spec: K3_SPEC.md §9; parameter tree: docs/contracts.md.
+Facts: docs/k3.md §9; parameter tree: docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Leaf:
 # ---------------------------------------------------------------------- per-layer map
 def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_format: str):
   """(collection, local path, local shape, kind, fp32, torch suffix, torch shape, per_expert)."""
-  d, eps = c.d_model, []
+  d, eps = c.text.d_model, []
   add = lambda *a: eps.append(a)  # noqa: E731
   add("params", ("input_layernorm", "weight"), (d,), "copy", True, "input_layernorm.weight", (d,))
   add("params", ("post_attention_layernorm", "weight"), (d,), "copy", True,
@@ -98,7 +98,7 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
       add("params", (ours, "norm"), (d,), "copy", True, f"{theirs}_norm.weight", (d,))
   a = "self_attn"
   if mixer == KDA:
-    h, k, r, w = c.kda_num_heads, c.kda_head_dim, c.kda_gate_rank, c.kda_conv_size
+    h, k, r, w = c.text.kda_num_heads, c.text.kda_head_dim, c.text.kda_gate_rank, c.text.kda_conv_size
     hk = h * k
     for p in ("q", "k", "v"):
       add("params", (a, f"{p}_proj", "kernel"), (d, h, k), "linear", False,
@@ -109,7 +109,7 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
     add("params", (a, "f_b_proj", "kernel"), (r, h, k), "linear", False,
         f"{a}.f_b_proj.weight", (hk, r))
     add("params", (a, "b_proj", "kernel"), (d, h), "linear", False, f"{a}.b_proj.weight", (h, d))
-    if c.full_rank_gates:
+    if c.text.full_rank_gates:
       add("params", (a, "g_proj", "kernel"), (d, h, k), "linear", False,
           f"{a}.g_proj.weight", (hk, d))
     else:
@@ -117,9 +117,9 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
           f"{a}.g_a_proj.weight", (r, d))
       add("params", (a, "g_b_proj", "kernel"), (r, h, k), "linear", False,
           f"{a}.g_b_proj.weight", (hk, r))
-    if c.kda_a_log_axis == "channel":   # one rate per key channel, shared by the heads
+    if c.text.kda_a_log_axis == "channel":   # one rate per key channel, shared by the heads
       add("params", (a, "A_log"), (k,), "copy", True, f"{a}.A_log", (k,))
-    elif c.kda_lower_bound is None:     # Kimi Linear: A_log [1,1,H,1]
+    elif c.text.kda_lower_bound is None:     # Kimi Linear: A_log [1,1,H,1]
       add("params", (a, "A_log"), (h,), "copy", True, f"{a}.A_log", (1, 1, h, 1))
     else:                               # K3 per head: A_log padded to 128 entries
       add("params", (a, "A_log"), (h,), "a_log_pad", True, f"{a}.A_log", (max(A_LOG_PAD, h),))
@@ -127,57 +127,57 @@ def _layer_items(c: ModelConfig, mixer: str, mlp: str, attn_res: bool, expert_fo
     add("params", (a, "o_norm"), (k,), "copy", True, f"{a}.o_norm.weight", (k,))
     add("params", (a, "o_proj", "kernel"), (h, k, d), "linear", False, f"{a}.o_proj.weight", (d, hk))
   else:
-    h, dqk, nope, v = c.num_heads, c.qk_head_dim, c.qk_nope_head_dim, c.v_head_dim
-    if c.q_lora_rank is None:
+    h, dqk, nope, v = c.text.num_heads, c.text.qk_head_dim, c.text.qk_nope_head_dim, c.text.v_head_dim
+    if c.text.q_lora_rank is None:
       add("params", (a, "q_proj", "kernel"), (d, h, dqk), "linear", False,
           f"{a}.q_proj.weight", (h * dqk, d))
     else:
-      q = c.q_lora_rank
+      q = c.text.q_lora_rank
       add("params", (a, "q_a_proj", "kernel"), (d, q), "linear", False, f"{a}.q_a_proj.weight", (q, d))
       add("params", (a, "q_a_layernorm", "weight"), (q,), "copy", True,
           f"{a}.q_a_layernorm.weight", (q,))
       add("params", (a, "q_b_proj", "kernel"), (q, h, dqk), "linear", False,
           f"{a}.q_b_proj.weight", (h * dqk, q))
-    kv = c.kv_lora_rank + c.qk_rope_head_dim
+    kv = c.text.kv_lora_rank + c.text.qk_rope_head_dim
     add("params", (a, "kv_a_proj_with_mqa", "kernel"), (d, kv), "linear", False,
         f"{a}.kv_a_proj_with_mqa.weight", (kv, d))
-    add("params", (a, "kv_a_layernorm", "weight"), (c.kv_lora_rank,), "copy", True,
-        f"{a}.kv_a_layernorm.weight", (c.kv_lora_rank,))
-    add("params", (a, "kv_b_proj", "kernel"), (c.kv_lora_rank, h, nope + v), "linear", False,
-        f"{a}.kv_b_proj.weight", (h * (nope + v), c.kv_lora_rank))
-    if c.mla_output_gate:
+    add("params", (a, "kv_a_layernorm", "weight"), (c.text.kv_lora_rank,), "copy", True,
+        f"{a}.kv_a_layernorm.weight", (c.text.kv_lora_rank,))
+    add("params", (a, "kv_b_proj", "kernel"), (c.text.kv_lora_rank, h, nope + v), "linear", False,
+        f"{a}.kv_b_proj.weight", (h * (nope + v), c.text.kv_lora_rank))
+    if c.text.mla_output_gate:
       add("params", (a, "g_proj", "kernel"), (d, h, v), "linear", False,
           f"{a}.g_proj.weight", (h * v, d))
     add("params", (a, "o_proj", "kernel"), (h, v, d), "linear", False, f"{a}.o_proj.weight", (d, h * v))
   if mlp == DENSE:
-    f = c.dense_intermediate_size
+    f = c.text.dense_intermediate_size
     for p in ("gate", "up"):
       add("params", ("mlp", f"{p}_proj", "kernel"), (d, f), "linear", False,
           f"mlp.{p}_proj.weight", (f, d))
     add("params", ("mlp", "down_proj", "kernel"), (f, d), "linear", False,
         "mlp.down_proj.weight", (d, f))
   else:
-    m, e = "block_sparse_moe", c.num_experts
+    m, e = "block_sparse_moe", c.text.num_experts
     add("params", (m, "gate", "kernel"), (d, e), "linear", True, f"{m}.gate.weight", (e, d))
     add("balance", (m, "gate", "e_score_correction_bias"), (e,), "copy", True,
         f"{m}.gate.e_score_correction_bias", (e,))
-    if c.latent_moe_dim is not None:
-      l = c.latent_moe_dim
+    if c.text.latent_moe_dim is not None:
+      l = c.text.latent_moe_dim
       add("params", (m, "routed_expert_down_proj", "kernel"), (d, l), "linear", False,
           f"{m}.routed_expert_down_proj.weight", (l, d))
       add("params", (m, "routed_expert_norm", "weight"), (l,), "copy", True,
           f"{m}.routed_expert_norm.weight", (l,))
       add("params", (m, "routed_expert_up_proj", "kernel"), (l, d), "linear", False,
           f"{m}.routed_expert_up_proj.weight", (d, l))
-    if c.num_shared_experts:
-      fs = c.shared_intermediate_size
+    if c.text.num_shared_experts:
+      fs = c.text.shared_intermediate_size
       for p in ("gate", "up"):
         add("params", (m, "shared_experts", f"{p}_proj", "kernel"), (d, fs), "linear", False,
             f"{m}.shared_experts.{p}_proj.weight", (fs, d))
       add("params", (m, "shared_experts", "down_proj", "kernel"), (fs, d), "linear", False,
           f"{m}.shared_experts.down_proj.weight", (d, fs))
-    dim = c.latent_moe_dim or d
-    f = c.moe_intermediate_size
+    dim = c.text.latent_moe_dim or d
+    f = c.text.moe_intermediate_size
     for wn, ours_shape, torch_shape in (("w1", (dim, f), (f, dim)), ("w3", (dim, f), (f, dim)),
                                         ("w2", (f, dim), (dim, f))):
       add("params", (m, "experts", wn), ours_shape, "linear", False,
@@ -244,24 +244,24 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None,
     raise ValueError(f"expert_format: expected 'mxfp4' or 'bf16', found {expert_format!r}")
   if arch == "kimi_linear" and expert_format == "mxfp4":
     raise ValueError("expert_format: Kimi Linear checkpoints store experts unquantised ('bf16')")
-  if arch == "kimi_linear" and c.kda_a_log_axis != "head":
+  if arch == "kimi_linear" and c.text.kda_a_log_axis != "head":
     raise ValueError(f"kda_a_log_axis: Kimi Linear stores A_log per head ([1,1,H,1]); "
-                     f"{c.kda_a_log_axis!r} needs the K3 layout (arch 'kimi_k3')")
+                     f"{c.text.kda_a_log_axis!r} needs the K3 layout (arch 'kimi_k3')")
   text_prefix = default_text_prefix(c) if text_prefix is None else text_prefix
   if text_prefix not in TEXT_PREFIXES:
     raise ValueError(f"text_prefix: expected one of {list(TEXT_PREFIXES)}, found {text_prefix!r}")
   model_prefix, head_name = f"{text_prefix}model.", f"{text_prefix}lm_head.weight"
-  types = c.layer_types()
-  attn_res = c.attn_res_block_size is not None
-  pre, groups, suf = c.stack_layout()
+  types = c.text.layer_types()
+  attn_res = c.text.attn_res_block_size is not None
+  pre, groups, suf = c.text.stack_layout()
   out: list[Leaf] = []
 
   def add_layer(i: int, path: tuple, items, index=(), lead=(), prefix=None):
     for coll, local, shape, kind, fp32, suffix, tshape, *pe in items:
       per_expert = bool(pe and pe[0])
-      full = lead + ((c.num_experts,) if per_expert else ()) + shape
+      full = lead + ((c.text.num_experts,) if per_expert else ()) + shape
       slots = _slots_for(suffix, tshape, per_expert, index,
-                         prefix or f"{model_prefix}layers.{i}.", c.num_experts, expert_format)
+                         prefix or f"{model_prefix}layers.{i}.", c.text.num_experts, expert_format)
       out.append(Leaf(coll, path + local, full, kind, per_expert and expert_format == "mxfp4",
                       fp32, tuple(slots)))
 
@@ -269,24 +269,24 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None,
     out.append(Leaf("params", path, shape, kind, False, fp32,
                     (Slot((), (name,), (tshape,), ("float",)),)))
 
-  d, v = c.d_model, c.vocab_size
+  d, v = c.text.d_model, c.text.vocab_size
   single(("embed_tokens", "embedding"), (v, d), "copy", False,
          model_prefix + "embed_tokens.weight", (v, d))
-  for i in list(range(pre)) + list(range(c.num_layers - suf, c.num_layers)):
+  for i in list(range(pre)) + list(range(c.text.num_layers - suf, c.text.num_layers)):
     add_layer(i, (f"layers_{i}",), _layer_items(c, *types[i], attn_res, expert_format))
   if groups:
     # Scanned body: one leaf per group-local layer j, stacked over the groups g.
-    for j in range(c.mla_every):
+    for j in range(c.text.mla_every):
       items = _layer_items(c, *types[pre + j], attn_res, expert_format)
       for item in items:
         coll, local, shape, kind, fp32, suffix, tshape, *pe = item
         per_expert = bool(pe and pe[0])
         slots = []
         for g in range(groups):
-          i = pre + g * c.mla_every + j
+          i = pre + g * c.text.mla_every + j
           slots += _slots_for(suffix, tshape, per_expert, (g,), f"{model_prefix}layers.{i}.",
-                              c.num_experts, expert_format)
-        full = (groups,) + ((c.num_experts,) if per_expert else ()) + shape
+                              c.text.num_experts, expert_format)
+        full = (groups,) + ((c.text.num_experts,) if per_expert else ()) + shape
         out.append(Leaf(coll, ("body", f"layers_{j}") + local, full, kind,
                         per_expert and expert_format == "mxfp4", fp32, tuple(slots)))
   if attn_res:
@@ -295,23 +295,23 @@ def leaves(c: ModelConfig, arch: str, expert_format: str | None = None,
     single(("output_attn_res", "norm"), (d,), "copy", True,
            model_prefix + "output_attn_res_norm.weight", (d,))
   single(("norm", "weight"), (d,), "copy", True, model_prefix + "norm.weight", (d,))
-  if not c.tie_word_embeddings:
+  if not c.text.tie_word_embeddings:
     single(("lm_head", "kernel"), (d, v), "linear", False, head_name, (v, d))
-  if c.num_mtp_layers and mtp:
+  if c.text.num_mtp_layers and mtp:
     p = MTP_PREFIX
     for name in ("enorm", "hnorm"):
       single(("mtp", name, "weight"), (d,), "copy", True, p + f"{name}.weight", (d,))
     single(("mtp", "eh_proj", "kernel"), (2 * d, d), "linear", False, p + "eh_proj.weight",
            (d, 2 * d))
-    add_layer(c.num_layers, ("mtp", "layer"), _layer_items(c, MLA, MOE, False, expert_format),
+    add_layer(c.text.num_layers, ("mtp", "layer"), _layer_items(c, MLA, MOE, False, expert_format),
               prefix=p + "layer.")
     single(("mtp", "norm", "weight"), (d,), "copy", True, p + "norm.weight", (d,))
   if c.vision is not None:
     out += vision_leaves(c.vision)
-  if getattr(c, "expert_format", "bf16") == "mxfp4":
+  if c.modes.expert_format == "mxfp4":
     if expert_format != "mxfp4":
       raise ValueError(f"expert_format: a model with packed MXFP4 experts "
-                       f"(ModelConfig.expert_format='mxfp4') maps to MXFP4 checkpoint tensors, "
+                       f"(ModelConfig.modes.expert_format='mxfp4') maps to MXFP4 checkpoint tensors, "
                        f"not {expert_format!r}")
     out = [part for leaf in out for part in (_split_packed(leaf) if leaf.mx else (leaf,))]
   return out
@@ -326,12 +326,12 @@ def a_log_names(c: ModelConfig, text_prefix: str) -> list[str]:
   if next(it[3] for it in items if it[1] == ("self_attn", "A_log")) != "a_log_pad":
     return []
   return [f"{text_prefix}model.layers.{i}.self_attn.A_log"
-          for i, (mixer, _) in enumerate(c.layer_types()) if mixer == KDA]
+          for i, (mixer, _) in enumerate(c.text.layer_types()) if mixer == KDA]
 
 
 def _split_packed(leaf: Leaf) -> tuple[Leaf, Leaf]:
   """An MXFP4 expert leaf (slots = (weight_packed, weight_scale) pairs, decoded on import) →
-  the two uint8 leaves of ModelConfig.expert_format="mxfp4" (k3jax/quant/mx.py):
+  the two uint8 leaves of ModelConfig.modes.expert_format="mxfp4" (k3jax/quant/mx.py):
   `<experts>/<w>/weight_packed` [..., E, out, in/2] and `weight_scale` [..., E, out, in/32],
   each slot one release tensor copied byte for byte (kind "u8")."""
   parts = []

@@ -229,7 +229,7 @@ def _layer_of(name: str) -> str:
 
 def resolve_a_log(flag: str, declared: str | None, config: ModelConfig, source: Source,
                   infos: dict, names: list[str]) -> tuple[str, dict]:
-  """The axis K3's A_log is read along (`ModelConfig.kda_a_log_axis`) and the record of the
+  """The axis K3's A_log is read along (`ModelConfig.text.kda_a_log_axis`) and the record of the
   decision for the log and conversion.json: {"reading": "crop" | "channel" ("head" for Kimi
   Linear's layout), "kda_a_log_axis", "decided_by"[, "layers", "dropped"]}.
 
@@ -255,7 +255,7 @@ def resolve_a_log(flag: str, declared: str | None, config: ModelConfig, source: 
         f"--a_log={flag} contradicts config.json: linear_attn_config.a_log_per_channel is "
         f"{str(declared == 'channel').lower()} (A_log read per {declared}); pass --a_log=auto "
         f"or --a_log={_READING[declared]}")
-  h, k = config.kda_num_heads, config.kda_head_dim
+  h, k = config.text.kda_num_heads, config.text.kda_head_dim
   values = [(n, source.get(n)) for n in names if n in infos and len(infos[n].shape) == 1]
   nonzero = [(n, a) for n, a in values if np.any(a[h:])]
   record: dict = {"layers": len(values)}
@@ -408,7 +408,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   # The source's routed experts: MXFP4 pairs when config.json says so (the release), else
   # unquantised (Kimi Linear; a K3 export with --expert_format bf16).
   source_experts = hf_config.check_quantization_config(d) or "bf16"
-  if config.expert_format == "mxfp4" and source_experts != "mxfp4":
+  if config.modes.expert_format == "mxfp4" and source_experts != "mxfp4":
     raise ValueError("--expert_format mxfp4 keeps the source's MXFP4 bytes, but its "
                      "config.json has no quantization_config: its experts are unquantised "
                      "(convert with --expert_format bf16)")
@@ -494,7 +494,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     meta = {"source": str(source.dir.resolve()), "arch": arch,
             "text_prefix": text_prefix + "model.", "tensors": n_tensors, "source_bytes": total,
             "skipped_prefixes": list(skip_prefix), "skipped_tensors": len(skipped),
-            "mtp": ("fresh" if new_mtp else "converted") if config.num_mtp_layers else "none",
+            "mtp": ("fresh" if new_mtp else "converted") if config.text.num_mtp_layers else "none",
             "mtp_note": mtp_note, "a_log": a_log_record, "dtype_conversions": conversions,
             "dtype_warnings": dtype_warnings, "parts": n_parts, "resumed": resumed}
     log(f"writing orbax checkpoint ({len(leaves)} leaves)")
@@ -571,7 +571,7 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
   expert_format = expert_format or ("mxfp4" if arch == "kimi_k3" else "bf16")
   have = {p: tuple(np.shape(_get(variables, p))) for c in ("params", "balance")
           if c in variables for p in _flat_paths(variables[c], (c,))}
-  if config.num_mtp_layers and not mtp:
+  if config.text.num_mtp_layers and not mtp:
     have = {p: s for p, s in have.items() if p[1:2] != ("mtp",)}
     log("MTP layer not written (the release has none); export(mtp=True) / --mtp writes it "
         f"under {N.MTP_PREFIX}*")

@@ -1,4 +1,4 @@
-"""Vision tower + projector alone: PyTorch checkpoint ⇄ k3jax (spec §11; `--only vision`).
+"""Vision tower + projector alone: PyTorch checkpoint ⇄ k3jax (docs/k3.md §11; `--only vision`).
 
 convert_vision(src, dst, arch): reads the `vision_tower.*` / `mm_projector.*` tensors of a
 checkpoint directory (the text model's tensors are not read) and writes

@@ -1,4 +1,4 @@
-"""Release tensor names of the vision tower and projector ⇄ k3jax parameter paths (spec §11).
+"""Release tensor names of the vision tower and projector ⇄ k3jax parameter paths (docs/k3.md §11).
 
 The release (PyTorch naming, bf16) spells the K3 tower as
   vision_tower.patch_embed.proj.weight            [D, 3, 14, 14]  conv, no bias

@@ -1,4 +1,4 @@
-"""The XTML chat format: conversations as data, `render` to text, `parse` back (K3 spec §13).
+"""The XTML chat format: conversations as data, `render` to text, `parse` back (K3 docs/k3.md §13).
 
 The spec fixes the four markers (`[open]`, `[sep]`, `[close]`, `[end_of_msg]`), the roles, the
 assistant channels `think` / `response` / `tools`, that thinking vs instruct mode is chosen by the

@@ -1,4 +1,4 @@
-"""Procedurally generated verifiable tasks as XTML chat prompts (spec §13, k3jax/data/chat.py).
+"""Procedurally generated verifiable tasks as XTML chat prompts (docs/k3.md §13, k3jax/data/chat.py).
 
 Three domains, each with an exact checker:
   "arith"   "Compute 7*8." → "56" (a op b, op in + - *, operands 0..9)

@@ -1,4 +1,4 @@
-"""AttnRes depth mixer module (spec §5): owns a pseudo-query and an RMSNorm weight.
+"""AttnRes depth mixer module (docs/k3.md §5): owns a pseudo-query and an RMSNorm weight.
 
 Params: `proj` [d] (the pseudo-query w, zeros init ⇒ uniform averaging at start) and
 `norm` [d] (ones init). The math is `k3jax.ops.attnres`.
@@ -22,13 +22,13 @@ class AttnResMixer(nn.Module):
   config: object
 
   def setup(self):
-    d = self.config.d_model
+    d = self.config.text.d_model
     self.proj = param(self, "proj", nn.initializers.zeros, (d,), ("embed",))
     self.norm = param(self, "norm", nn.initializers.ones, (d,), ("embed",))
 
   def __call__(self, blocks, partial, valid=None):
     w, n = self.proj, self.norm
-    eps = self.config.rms_norm_eps
+    eps = self.config.text.rms_norm_eps
     mix = ar.attn_res_partial(partial[None], w, n, eps)
     if blocks is not None:
       mix = ar.attn_res_merge(ar.attn_res_partial(blocks, w, n, eps, valid), mix)

@@ -1,4 +1,4 @@
-"""The one place a compute kernel is chosen from `ModelConfig.kernel_backend`.
+"""The one place a compute kernel is chosen from `ModelConfig.modes.kernel_backend`.
 
 Layers never branch on the backend themselves: they ask this module for the function.
 "xla" is the pure-jnp path in `k3jax.ops` (runs everywhere, the reference semantics);
@@ -74,7 +74,7 @@ def _kernels(name: str, kda_lower_bound: float | None) -> Kernels:
   if name == "pallas":
     from pallas_kernels.kda_chunk import kda_chunked_pallas
     from pallas_kernels.moe_gmm import gmm
-    # A bounded gate (K3, spec §3) takes the kernel's fast diagonal tiles; an unbounded one
+    # A bounded gate (K3, docs/k3.md §3) takes the kernel's fast diagonal tiles; an unbounded one
     # (Kimi Linear, lower_bound None) its pair-by-pair form.
     kda = functools.partial(kda_chunked_pallas, lower_bound=kda_lower_bound)
   mlp = expert_mlp if gmm is None else functools.partial(expert_mlp, gmm=gmm)
@@ -84,7 +84,7 @@ def _kernels(name: str, kda_lower_bound: float | None) -> Kernels:
 def kernels(config) -> Kernels:
   """The `Kernels` of a `ModelConfig` (its `kernel_backend` and `kda_lower_bound`); cached, so
   every layer of a model shares one record (and "auto" the record of what it resolves to)."""
-  return _kernels(resolve(config.kernel_backend), config.kda_lower_bound)
+  return _kernels(resolve(config.modes.kernel_backend), config.text.kda_lower_bound)
 
 
 def kda_chunked_fn(backend: str, *, lower_bound: float | None = None):
@@ -112,7 +112,7 @@ def expert_mlp_fn(config):
   from k3jax.parallel.expert import maybe_expert_parallel
   # Per-expert LoRA adapters take the same sorted path: their rank-wide grouped matmuls are
   # below the kernels' tile widths.
-  lora_experts = getattr(config, "lora_rank", 0) > 0 and "experts" in config.lora_targets
+  lora_experts = config.lora_on("experts")
   ks = kernels(config)
   if lora_experts:
     return maybe_expert_parallel(expert_mlp, gmm=None)

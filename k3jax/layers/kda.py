@@ -1,10 +1,10 @@
-"""Kimi Delta Attention layer (spec §3).
+"""Kimi Delta Attention layer (docs/k3.md §3).
 
 x [B,T,d] → q,k,v projections [B,T,H,K|V] → causal depthwise short convs (kernel W=4, no bias)
 + SiLU → L2-normalised q,k per head → decay g = kda_gate(f_b(f_a(x)), A_log, dt_bias,
-config.kda_lower_bound, config.kda_a_log_axis) (A_log [H] per head, or [K] per key channel
+config.text.kda_lower_bound, config.text.kda_a_log_axis) (A_log [H] per head, or [K] per key channel
 shared by the heads), β = sigmoid(b_proj x) → chunked delta rule (kernel chosen by
-`backend.kda_chunked_fn(config.kernel_backend)`) → per-head RMSNorm(o) · sigmoid(output gate)
+`backend.kda_chunked_fn(config.modes.kernel_backend)`) → per-head RMSNorm(o) · sigmoid(output gate)
 → o_proj. The gate, β, the recurrence and the output norm are fp32.
 
 Decoding: with `cache` (a `KDACache`: the fp32 state and the last W−1 inputs of each short
@@ -43,7 +43,7 @@ class KDACache:
 
   @classmethod
   def zeros(cls, config, batch: int) -> "KDACache":
-    h, k, w = config.kda_num_heads, config.kda_head_dim, config.kda_conv_size
+    h, k, w = config.text.kda_num_heads, config.text.kda_head_dim, config.text.kda_conv_size
     conv = jnp.zeros((batch, w - 1, h, k), jnp.float32)
     return cls(jnp.zeros((batch, h, k, k), jnp.float32), conv, conv, conv)
 
@@ -110,7 +110,7 @@ class KDA(nn.Module):
 
   def setup(self):
     cfg = self.config
-    h, k, r, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_gate_rank, cfg.kda_conv_size
+    h, k, r, w = cfg.text.kda_num_heads, cfg.text.kda_head_dim, cfg.text.kda_gate_rank, cfg.text.kda_conv_size
     self.q_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="q_proj", target="q")
     self.k_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="k_proj", target="k")
     self.v_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="v_proj", target="v")
@@ -122,22 +122,22 @@ class KDA(nn.Module):
     self.f_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="f_b_proj",
                            target="gates")
     self.b_proj = linear(cfg, h, ("embed", "heads"), name="b_proj", target="gates")
-    if cfg.full_rank_gates:
+    if cfg.text.full_rank_gates:
       self.g_proj = linear(cfg, (h, k), ("embed", "heads", "head_dim"), name="g_proj",
                            target="gates")
     else:
       self.g_a_proj = linear(cfg, r, ("embed", "gate_rank"), name="g_a_proj", target="gates")
       self.g_b_proj = linear(cfg, (h, k), ("gate_rank", "heads", "head_dim"), name="g_b_proj",
                              target="gates")
-    # One rate per head [H], or per key channel [K] shared by the heads (config.kda_a_log_axis;
+    # One rate per head [H], or per key channel [K] shared by the heads (config.text.kda_a_log_axis;
     # replicated then: every head's shard needs all of it).
-    if cfg.kda_a_log_axis == "head":
+    if cfg.text.kda_a_log_axis == "head":
       self.A_log = param(self, "A_log", _a_log_init, (h,), ("heads",))
     else:
       self.A_log = param(self, "A_log", _a_log_init, (k,), ("head_dim",))
     self.dt_bias = param(self, "dt_bias", _dt_bias_init, (h, k), ("heads", "head_dim"))
     self.o_norm = param(self, "o_norm", nn.initializers.ones, (k,), ("head_dim",))
-    self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
+    self.o_proj = linear(cfg, cfg.text.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
                          name="o_proj", target="o")
 
   def project(self, x, conv):
@@ -150,16 +150,16 @@ class KDA(nn.Module):
     v = jax.nn.silu(conv("v", self.v_proj(x), self.v_conv1d))
     q, k = l2_normalize(q), l2_normalize(k)
     z = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32)
-    g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.config.kda_lower_bound,
-                 a_log_axis=self.config.kda_a_log_axis)
+    g = kda_gate(z, self.A_log, self.dt_bias, lower_bound=self.config.text.kda_lower_bound,
+                 a_log_axis=self.config.text.kda_a_log_axis)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     return q, k, v, g, beta
 
   def output(self, x, o):
     """Per-head RMSNorm of o [B,T,H,V] times sigmoid(output gate of x), then o_proj."""
-    gate = (self.g_proj(x) if self.config.full_rank_gates
+    gate = (self.g_proj(x) if self.config.text.full_rank_gates
             else self.g_b_proj(self.g_a_proj(x)))
-    o = rms_norm(o, self.o_norm, self.config.rms_norm_eps) * jax.nn.sigmoid(
+    o = rms_norm(o, self.o_norm, self.config.text.rms_norm_eps) * jax.nn.sigmoid(
         gate.astype(jnp.float32))
     return self.o_proj(o).astype(x.dtype)
 
@@ -167,8 +167,8 @@ class KDA(nn.Module):
                feed: Feed | None = None):
     """x [B,T,d] → [B,T,d]; with `cache` and `feed` → (out, updated KDACache)."""
     cfg = self.config
-    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
-      raise ValueError(f"KDA: x must be [B,T,d={cfg.d_model}], found {x.shape}")
+    if x.ndim != 3 or x.shape[-1] != cfg.text.d_model:
+      raise ValueError(f"KDA: x must be [B,T,d={cfg.text.d_model}], found {x.shape}")
     if cache is not None:
       return self._extend(x, cache, feed)
     conv_fn = backend.short_conv_fn(short_conv)
@@ -177,15 +177,15 @@ class KDA(nn.Module):
       # Parameters never depend on the recurrence's output: skip it, so that `init` (and its
       # compilation) costs projections only.
       return self.output(x, jnp.zeros(v.shape, jnp.float32))
-    fn = backend.kda_chunked_fn(cfg.kernel_backend, lower_bound=cfg.kda_lower_bound)
+    fn = backend.kda_chunked_fn(cfg.modes.kernel_backend, lower_bound=cfg.text.kda_lower_bound)
     kwargs = {} if segment_ids is None else {"segment_ids": segment_ids}
-    o, _ = fn(q, k, v, g, beta, scale=cfg.kda_head_dim ** -0.5, chunk_size=cfg.kda_chunk_size,
+    o, _ = fn(q, k, v, g, beta, scale=cfg.text.kda_head_dim ** -0.5, chunk_size=cfg.modes.kda_chunk_size,
               **kwargs)
     return self.output(x, o.astype(jnp.float32))
 
   def _extend(self, x, cache: KDACache, feed: Feed):
     cfg = self.config
-    t, w = x.shape[1], cfg.kda_conv_size
+    t, w = x.shape[1], cfg.text.kda_conv_size
     tails = {"q": cache.conv_q, "k": cache.conv_k, "v": cache.conv_v}
     inputs = {}
 
@@ -198,7 +198,7 @@ class KDA(nn.Module):
     g = jnp.where(valid[..., None, None], g, 0.0)
     beta = jnp.where(valid[..., None], beta, 0.0)
     k = jnp.where(valid[..., None, None], k, 0.0)
-    scale = cfg.kda_head_dim ** -0.5
+    scale = cfg.text.kda_head_dim ** -0.5
     if t == 1 or self.is_mutable_collection("rewind"):
       def one(s, xs):
         o_t, s = kda_step(*xs, s, scale=scale)
@@ -211,8 +211,8 @@ class KDA(nn.Module):
                             ("xq", inputs["q"]), ("xk", inputs["k"]), ("xv", inputs["v"])):
           self.sow("rewind", name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     else:
-      fn = backend.kda_chunked_fn(cfg.kernel_backend, lower_bound=cfg.kda_lower_bound)
-      o, state = fn(q, k, v, g, beta, scale=scale, chunk_size=cfg.kda_chunk_size,
+      fn = backend.kda_chunked_fn(cfg.modes.kernel_backend, lower_bound=cfg.text.kda_lower_bound)
+      o, state = fn(q, k, v, g, beta, scale=scale, chunk_size=cfg.modes.kda_chunk_size,
                     initial_state=cache.state)
     new = KDACache(state, *(conv_tail(inputs[n], feed.num_new, w) for n in ("q", "k", "v")))
     return self.output(x, o.astype(jnp.float32)), new

@@ -1,8 +1,8 @@
 """Bias-free projections with logical-axis annotations, shared by every layer.
 
 `linear(...)` is flax's DenseGeneral with the project's conventions: master kernel in
-`config.param_dtype` (fp32 by default) annotated with logical axis names (docs/contracts.md),
-compute in `config.dtype`, no bias.
+`config.modes.param_dtype` (fp32 by default) annotated with logical axis names (docs/contracts.md),
+compute in `config.modes.dtype`, no bias.
 Kernel shape = (input axes…, features…), e.g. q_proj [d,H,K], o_proj [H,V,d].
 
 LoRA (docs/notes/lora.md): `linear(..., target=...)` names the projection's LoRA target
@@ -96,11 +96,11 @@ def linear(config, features, names: Sequence[str], *, axis=-1, name: str,
   config adapts any of them), or None for projections that never carry adapters.
   """
   kw = dict(features=features, axis=axis, use_bias=False, name=name,
-            dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
+            dtype=dtype_of(config.modes.dtype), param_dtype=dtype_of(config.modes.param_dtype),
             kernel_init=nn.with_logical_partitioning(kernel_init, tuple(names)))
   targets = (target,) if isinstance(target, str) else tuple(target or ())
   if any(config.lora_on(t) for t in targets):
-    return LoRALinear(**kw, names=tuple(names), lora_rank=config.lora_rank,
+    return LoRALinear(**kw, names=tuple(names), lora_rank=config.modes.lora_rank,
                       lora_scale=config.lora_scale)
   return nn.DenseGeneral(**kw)
 
@@ -108,7 +108,7 @@ def linear(config, features, names: Sequence[str], *, axis=-1, name: str,
 def param(module: nn.Module, name: str, init, shape, names: Sequence[str],
           dtype=jnp.float32):
   """A logically-partitioned parameter owned by `module`: fp32 for vectors, norms, convs and
-  the router (A_log, dt_bias …); the expert weights pass `config.param_dtype`."""
+  the router (A_log, dt_bias …); the expert weights pass `config.modes.param_dtype`."""
   return module.param(name, nn.with_logical_partitioning(init, tuple(names)), shape, dtype)
 
 

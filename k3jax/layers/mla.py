@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with NoPE (spec §4).
+"""Gated Multi-head Latent Attention with NoPE (docs/k3.md §4).
 
 q: q_a_proj → RMSNorm → q_b_proj (or a single q_proj when q_lora_rank is None), split into the
 per-head "nope" part and the "rope" part (never rotated: NoPE). kv: kv_a_proj_with_mqa gives the
@@ -36,9 +36,9 @@ class MLACache:
 
   @classmethod
   def zeros(cls, config, batch: int, max_len: int) -> "MLACache":
-    dt = dtype_of(config.dtype)
-    return cls(jnp.zeros((batch, max_len, config.kv_lora_rank), dt),
-               jnp.zeros((batch, max_len, config.qk_rope_head_dim), dt))
+    dt = dtype_of(config.modes.dtype)
+    return cls(jnp.zeros((batch, max_len, config.text.kv_lora_rank), dt),
+               jnp.zeros((batch, max_len, config.text.qk_rope_head_dim), dt))
 
   def truncated(self, lengths) -> "MLACache":
     """Slots at or past lengths[b] ([B] int) zeroed (a leading groups axis broadcasts)."""
@@ -59,53 +59,53 @@ class MLA(nn.Module):
 
   def setup(self):
     cfg = self.config
-    h, dqk = cfg.num_heads, cfg.qk_head_dim
-    if cfg.q_lora_rank is not None:
-      self.q_a_proj = linear(cfg, cfg.q_lora_rank, ("embed", "q_latent"), name="q_a_proj",
+    h, dqk = cfg.text.num_heads, cfg.text.qk_head_dim
+    if cfg.text.q_lora_rank is not None:
+      self.q_a_proj = linear(cfg, cfg.text.q_lora_rank, ("embed", "q_latent"), name="q_a_proj",
                              target="q")
-      self.q_a_layernorm = RMSNorm(eps=cfg.mla_latent_norm_eps, axis_name="norm", name="q_a_layernorm")
+      self.q_a_layernorm = RMSNorm(eps=cfg.text.mla_latent_norm_eps, axis_name="norm", name="q_a_layernorm")
       self.q_b_proj = linear(cfg, (h, dqk), ("q_latent", "heads", "head_dim"), name="q_b_proj",
                              target="q")
     else:
       self.q_proj = linear(cfg, (h, dqk), ("embed", "heads", "head_dim"), name="q_proj", target="q")
-    self.kv_a_proj_with_mqa = linear(cfg, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+    self.kv_a_proj_with_mqa = linear(cfg, cfg.text.kv_lora_rank + cfg.text.qk_rope_head_dim,
                                      ("embed", "kv_latent"), name="kv_a_proj_with_mqa",
                                      target=("k", "v"))
-    self.kv_a_layernorm = RMSNorm(eps=cfg.mla_latent_norm_eps, axis_name="norm", name="kv_a_layernorm")
-    self.kv_b_proj = linear(cfg, (h, cfg.qk_nope_head_dim + cfg.v_head_dim),
+    self.kv_a_layernorm = RMSNorm(eps=cfg.text.mla_latent_norm_eps, axis_name="norm", name="kv_a_layernorm")
+    self.kv_b_proj = linear(cfg, (h, cfg.text.qk_nope_head_dim + cfg.text.v_head_dim),
                             ("kv_latent", "heads", "head_dim"), name="kv_b_proj",
                             target=("k", "v"))
-    if cfg.mla_output_gate:
-      self.g_proj = linear(cfg, (h, cfg.v_head_dim), ("embed", "heads", "head_dim"), name="g_proj",
+    if cfg.text.mla_output_gate:
+      self.g_proj = linear(cfg, (h, cfg.text.v_head_dim), ("embed", "heads", "head_dim"), name="g_proj",
                            target="gates")
-    self.o_proj = linear(cfg, cfg.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
+    self.o_proj = linear(cfg, cfg.text.d_model, ("heads", "head_dim", "embed"), axis=(-2, -1),
                          name="o_proj", target="o")
 
   # Public pieces (decoding reuses them with a latent cache).
   def query(self, x):
     """q [B,T,H,nope+rope] in compute dtype."""
-    if self.config.q_lora_rank is not None:
+    if self.config.text.q_lora_rank is not None:
       return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
     return self.q_proj(x)
 
   def latent(self, x):
     """(c_kv [B,T,kv_rank] normalised latent, k_rope [B,T,rope] shared key part): the cache."""
     kv = self.kv_a_proj_with_mqa(x)
-    c, k_rope = jnp.split(kv, [self.config.kv_lora_rank], axis=-1)
+    c, k_rope = jnp.split(kv, [self.config.text.kv_lora_rank], axis=-1)
     return self.kv_a_layernorm(c), k_rope
 
   def keys_values(self, c_kv, k_rope):
     """Materialised k [B,S,H,nope+rope] and v [B,S,H,V] from the latent."""
     cfg = self.config
     kv = self.kv_b_proj(c_kv)
-    k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
+    k_nope, v = jnp.split(kv, [cfg.text.qk_nope_head_dim], axis=-1)
     k_shared = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype),
-                                k_nope.shape[:3] + (cfg.qk_rope_head_dim,))
+                                k_nope.shape[:3] + (cfg.text.qk_rope_head_dim,))
     return jnp.concatenate([k_nope, k_shared], axis=-1), v
 
   def output(self, x, o):
     """Gate the fp32 attention output o [B,T,H,V] and project to d."""
-    if self.config.mla_output_gate:
+    if self.config.text.mla_output_gate:
       o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32))
     return self.o_proj(o).astype(x.dtype)
 
@@ -113,30 +113,30 @@ class MLA(nn.Module):
                feed: Feed | None = None):
     """x [B,T,d] → [B,T,d]; with `cache` and `feed` → (out, updated MLACache)."""
     cfg = self.config
-    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
-      raise ValueError(f"MLA: x must be [B,T,d={cfg.d_model}], found {x.shape}")
+    if x.ndim != 3 or x.shape[-1] != cfg.text.d_model:
+      raise ValueError(f"MLA: x must be [B,T,d={cfg.text.d_model}], found {x.shape}")
     if cache is not None:
       return self._extend(x, cache, feed)
     q = self.query(x)
     k, v = self.keys_values(*self.latent(x))
     attention = backend.mla_attention_fn()   # context-parallel under a context mesh
-    o, max_logit = attention(q, k, v, scale=cfg.qk_head_dim ** -0.5, segment_ids=segment_ids,
-                             query_block=cfg.mla_query_block)
+    o, max_logit = attention(q, k, v, scale=cfg.text.qk_head_dim ** -0.5, segment_ids=segment_ids,
+                             query_block=cfg.modes.mla_query_block)
     sow_stat(self, "max_logit", max_logit)
     return self.output(x, o)
 
   def _extend(self, x, cache: MLACache, feed: Feed):
     cfg = self.config
-    t, n = x.shape[1], cfg.qk_nope_head_dim
+    t, n = x.shape[1], cfg.text.qk_nope_head_dim
     pos, valid = feed.positions(t), feed.valid(t)
     c, k_rope = self.latent(x)
     new = MLACache(write_slots(cache.c_kv, c, pos, valid),
                    write_slots(cache.k_rope, k_rope, pos, valid))
     q = self.query(x)
     # [L,H,nope+V]; an adapted kv_b folds its adapter in (W + s·A·B, docs/notes/lora.md)
-    kv_b = effective_kernel(self.kv_b_proj).astype(dtype_of(cfg.dtype))
+    kv_b = effective_kernel(self.kv_b_proj).astype(dtype_of(cfg.modes.dtype))
     o, _ = mla_absorbed_attention(q[..., :n], q[..., n:], new.c_kv, new.k_rope, kv_b[..., :n],
-                                  kv_b[..., n:], scale=cfg.qk_head_dim ** -0.5,
+                                  kv_b[..., n:], scale=cfg.text.qk_head_dim ** -0.5,
                                   query_positions=pos)
     return self.output(x, o), new
 

@@ -1,7 +1,7 @@
-"""Gated MLP: dense layer-0 MLP and the fused shared experts (spec §2, §6).
+"""Gated MLP: dense layer-0 MLP and the fused shared experts (docs/k3.md §2, §6).
 
 y = down_proj( act(gate_proj x, up_proj x) ), act = SiTU-GLU or SwiGLU per
-`config.activation`, evaluated in fp32 (SiTU's tanh bounds are an fp32 island).
+`config.text.activation`, evaluated in fp32 (SiTU's tanh bounds are an fp32 island).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from k3jax.layers.linear import linear
 
 
 def glu_activation(config, a, b):
-  """act(a, b) in fp32 for config.activation ("situ" | "swiglu")."""
+  """act(a, b) in fp32 for config.text.activation ("situ" | "swiglu")."""
   from k3jax.ops import moe as moe_ops
   a = a.astype(jnp.float32)
   b = b.astype(jnp.float32)
-  if config.activation == "situ":
-    return moe_ops.situ_glu(a, b, beta1=config.situ_beta1, beta2=config.situ_beta2)
+  if config.text.activation == "situ":
+    return moe_ops.situ_glu(a, b, beta1=config.text.situ_beta1, beta2=config.text.situ_beta2)
   return moe_ops.swiglu(a, b)
 
 

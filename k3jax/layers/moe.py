@@ -1,4 +1,4 @@
-"""Stable LatentMoE (spec §6); with `latent_moe_dim=None` the classic Kimi Linear MoE.
+"""Stable LatentMoE (docs/k3.md §6); with `latent_moe_dim=None` the classic Kimi Linear MoE.
 
   logits = x·W_r (fp32), s = sigmoid(logits)
   (p, idx, cutoff) = route(s, b, k)        b: selection-only bias, collection "balance"
@@ -7,14 +7,14 @@
   classic: y_routed = Σ_i p_i E_i(x)
   y = y_routed + shared_experts(x)          shared: one MLP of width num_shared·F
 
-With `expert_qat="mxfp4_mxfp8"` (quantisation-aware training, spec §13, docs/notes/qat.md)
+With `expert_qat="mxfp4_mxfp8"` (quantisation-aware training, docs/k3.md §13, docs/notes/qat.md)
 every E_i sees MXFP4 weights (float masters fake-quantised by the exporter's quantiser; packed
 "mxfp4" experts are MXFP4 already) and MXFP8 inputs (z, and the gated activation before w2),
 straight-through gradients. The router, W_down, RMSNorm, W_up and the shared experts are never
 quantised.
 
 Sows into "stats": `load` [E] f32 (tokens per expert), `margin_hist` [E, qb_num_bins] int32
-(margins s − cutoff over config.qb_range), `dropped` [] int32 (tokens over capacity).
+(margins s − cutoff over config.modes.qb_range), `dropped` [] int32 (tokens over capacity).
 """
 
 from __future__ import annotations
@@ -84,15 +84,15 @@ class Experts(nn.Module):
   @nn.compact
   def __call__(self):
     cfg = self.config
-    e, dim, f = cfg.num_experts, self.in_dim, cfg.moe_intermediate_size
+    e, dim, f = cfg.text.num_experts, self.in_dim, cfg.text.moe_intermediate_size
     up = ("experts", self.in_axis, "expert_mlp")
     down = ("experts", "expert_mlp", self.in_axis)
-    if cfg.expert_format == "mxfp4":
+    if cfg.modes.expert_format == "mxfp4":
       ws = (PackedExpertMatrix((e, dim, f), up, name="w1")(),
             PackedExpertMatrix((e, dim, f), up, name="w3")(),
             PackedExpertMatrix((e, f, dim), down, name="w2")())
     else:
-      dt = dtype_of(cfg.param_dtype)   # like every Linear kernel (the bulk of K3's parameters)
+      dt = dtype_of(cfg.modes.param_dtype)   # like every Linear kernel (the bulk of K3's parameters)
       ws = (param(self, "w1", _expert_init, (e, dim, f), up, dt),
             param(self, "w3", _expert_init, (e, dim, f), up, dt),
             param(self, "w2", _expert_init, (e, f, dim), down, dt))
@@ -105,7 +105,7 @@ class Experts(nn.Module):
     out = []
     for name, w, axes in zip(("w1", "w3", "w2"), ws, (up, up, down)):
       _, din, dout = w.shape
-      a, b = lora_variables(self, (din,), (dout,), axes[1:2], axes[2:], cfg.lora_rank,
+      a, b = lora_variables(self, (din,), (dout,), axes[1:2], axes[2:], cfg.modes.lora_rank,
                             prefix=f"{name}_", batch_shape=(e,), batch_names=axes[:1])
       out.append(LoRAExperts(w, a, b * cfg.lora_scale))
     return tuple(out)
@@ -121,7 +121,7 @@ class Router(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    e = self.config.num_experts
+    e = self.config.text.num_experts
     w = param(self, "kernel", default_kernel_init, (x.shape[-1], e), ("embed", "experts"))
     bias = self.variable(
         "balance", "e_score_correction_bias",
@@ -133,10 +133,10 @@ class Router(nn.Module):
 def expert_capacity(config, num_tokens: int) -> int | None:
   """ceil(capacity_factor · N · k / E) clamped to [1, N], or None (dropless)."""
   from k3jax.ops import moe as moe_ops
-  if config.moe_capacity_factor is None:
+  if config.modes.moe_capacity_factor is None:
     return None
-  return moe_ops.capacity(num_tokens, config.experts_per_token, config.num_experts,
-                          config.moe_capacity_factor)
+  return moe_ops.capacity(num_tokens, config.text.experts_per_token, config.text.num_experts,
+                          config.modes.moe_capacity_factor)
 
 
 class StableLatentMoE(nn.Module):
@@ -147,22 +147,22 @@ class StableLatentMoE(nn.Module):
   def __call__(self, x):
     from k3jax.ops import moe as moe_ops
     cfg = self.config
-    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
-      raise ValueError(f"StableLatentMoE: x must be [B,T,d={cfg.d_model}], found {x.shape}")
+    if x.ndim != 3 or x.shape[-1] != cfg.text.d_model:
+      raise ValueError(f"StableLatentMoE: x must be [B,T,d={cfg.text.d_model}], found {x.shape}")
     b, t, d = x.shape
-    e, k = cfg.num_experts, cfg.experts_per_token
+    e, k = cfg.text.num_experts, cfg.text.experts_per_token
     xf = x.reshape(b * t, d)
 
     scores, bias = Router(cfg, name="gate")(xf)
     weights, indices, cutoff = moe_ops.route(scores, bias, k)
-    weights = weights.astype(jnp.float32) * cfg.routed_scaling_factor
+    weights = weights.astype(jnp.float32) * cfg.text.routed_scaling_factor
 
-    compute = dtype_of(cfg.dtype)
-    latent = cfg.latent_moe_dim is not None
+    compute = dtype_of(cfg.modes.dtype)
+    latent = cfg.text.latent_moe_dim is not None
     if latent:
-      z = linear(cfg, cfg.latent_moe_dim, ("embed", "moe_latent"),
+      z = linear(cfg, cfg.text.latent_moe_dim, ("embed", "moe_latent"),
                  name="routed_expert_down_proj", target="latent")(xf)
-      w1, w3, w2 = Experts(cfg, cfg.latent_moe_dim, "moe_latent", name="experts")()
+      w1, w3, w2 = Experts(cfg, cfg.text.latent_moe_dim, "moe_latent", name="experts")()
     else:
       z = xf.astype(compute)
       w1, w3, w2 = Experts(cfg, d, "embed", name="experts")()
@@ -173,26 +173,26 @@ class StableLatentMoE(nn.Module):
       # QAT fake-quantises float masters before the cast to the compute dtype, so that the
       # codes are the ones the exporter writes from the masters (MXFP4 values are exact in bf16).
       qat_kw = {}
-      if cfg.expert_qat is not None:
+      if cfg.modes.expert_qat is not None:
         from k3jax.quant import qat
-        fq = qat.weight_quantizer(cfg.expert_qat)
+        fq = qat.weight_quantizer(cfg.modes.expert_qat)
         w1, w3, w2 = (w if isinstance(w, tuple) else fq(w) for w in (w1, w3, w2))
-        qat_kw = dict(input_quant=qat.input_format(cfg.expert_qat))
+        qat_kw = dict(input_quant=qat.input_format(cfg.modes.expert_qat))
       cast = lambda w: w if isinstance(w, tuple) else w.astype(compute)
       u, dropped = backend.expert_mlp_fn(cfg)(
           z, weights, indices.astype(jnp.int32), cast(w1), cast(w3), cast(w2),
-          activation=cfg.activation, beta1=cfg.situ_beta1,
-          beta2=cfg.situ_beta2, capacity=expert_capacity(cfg, b * t), **qat_kw)
+          activation=cfg.text.activation, beta1=cfg.text.situ_beta1,
+          beta2=cfg.text.situ_beta2, capacity=expert_capacity(cfg, b * t), **qat_kw)
     if latent:
-      u = RMSNorm(eps=cfg.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
+      u = RMSNorm(eps=cfg.text.rms_norm_eps, axis_name="norm", name="routed_expert_norm")(
           u.astype(jnp.float32))
       y = linear(cfg, d, ("moe_latent", "embed"), name="routed_expert_up_proj",
                  target="latent")(u)
     else:
       y = u
     y = y.astype(jnp.float32)
-    if cfg.num_shared_experts:
-      y = y + MLP(cfg, cfg.shared_intermediate_size, lora_target="shared",
+    if cfg.text.num_shared_experts:
+      y = y + MLP(cfg, cfg.text.shared_intermediate_size, lora_target="shared",
                   name="shared_experts")(xf).astype(
           jnp.float32)
 
@@ -201,6 +201,6 @@ class StableLatentMoE(nn.Module):
     from k3jax.ops import balance as balance_ops
     sow_stat(self, "load", jnp.zeros((e,), jnp.float32).at[indices.reshape(-1)].add(1.0))
     sow_stat(self, "margin_hist", balance_ops.margin_histogram(
-        scores, cutoff, cfg.qb_num_bins, cfg.qb_range).astype(jnp.int32))
+        scores, cutoff, cfg.modes.qb_num_bins, cfg.modes.qb_range).astype(jnp.int32))
     sow_stat(self, "dropped", jnp.asarray(dropped, jnp.int32))
     return y.reshape(b, t, d).astype(x.dtype)

@@ -1,4 +1,4 @@
-"""RMSNorm with fp32 statistics (spec §2–6: pre-norms, q/kv latent norms, latent MoE norm)."""
+"""RMSNorm with fp32 statistics (docs/k3.md §2–6: pre-norms, q/kv latent norms, latent MoE norm)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block Attention Residuals: the depth mixer (spec §5), as pure jnp math.
+"""Block Attention Residuals: the depth mixer (docs/k3.md §5), as pure jnp math.
 
 A mixer looks at a list of S sources V_i (finished blocks plus the running partial sum) and
 returns Σ_i softmax_i(w · RMSNorm(V_i)) · V_i: a softmax over *depth*, per token, with a learned
@@ -85,7 +85,7 @@ def attn_res_mix(sources, query, norm_weight, eps: float = 1e-5, valid=None):
 
 
 def attn_res_source_counts(num_layers: int, block_size: int | None) -> dict:
-  """Number of sources each mixer sees under spec §5's schedule (pure python).
+  """Number of sources each mixer sees under docs/k3.md §5's schedule (pure python).
 
   Returns {"attn": [per layer], "mlp": [per layer], "output": n}; 0 means the mixer is
   skipped (the layer-0 attention mixer, while `blocks` is empty). With plain residuals

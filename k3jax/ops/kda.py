@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): gate, recurrent reference, chunked (XLA) form, one decode step.
 
-Spec: K3_SPEC.md §3. Per head, with state S ∈ R^{K×V} and per-channel log-decay g_t ∈ R^K:
+Facts: docs/k3.md §3. Per head, with state S ∈ R^{K×V} and per-channel log-decay g_t ∈ R^K:
 
     S ← Diag(exp(g_t)) S                      (decay)
     S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ            (delta-rule write, with the decayed S)
@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_TILE = 16  # tile size of the overflow-safe decay rescale (spec §3)
+_TILE = 16  # tile size of the overflow-safe decay rescale (docs/k3.md §3)
 _GROUP_TOKENS = 1024  # tokens per scan step of kda_chunked (chunks of a step are vectorised)
 # Diagonal tiles use dense matmuls (mid-tile reference point, largest factor e^{-half total})
 # when both halves of every 16-token tile have Σg ≥ this per channel; otherwise the pairwise
@@ -152,7 +152,7 @@ def kda_gate(z, A_log, dt_bias, lower_bound: float | None = None, a_log_axis: st
   Args:
     z: `[B,T,H,K]` decay logits (f_b(f_a(x))).
     A_log: the log rate: `[H]`, one per head (a_log_axis "head", the spec's form), or `[K]`,
-      one per key channel shared by the heads ("channel"; `ModelConfig.kda_a_log_axis`).
+      one per key channel shared by the heads ("channel"; `ModelConfig.text.kda_a_log_axis`).
     dt_bias: `[H,K]` per-channel bias.
     lower_bound: K3's bounded form when set (−5.0): `lower_bound·sigmoid(exp(A_log)·(z+dt_bias))`
       ∈ (lower_bound, 0); None gives Kimi Linear's `−exp(A_log)·softplus(z+dt_bias)`.
@@ -629,7 +629,7 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
       Shortened to T rounded up to the tile when T is smaller.
     segment_ids: `[B,T]` int or None; the state resets to zero where the id changes.
     lower_bound: None, or the caller's promise that g ≥ lower_bound everywhere (the bounded
-      gate's −5, spec §3). With lower_bound ≥ −5 the dense diagonal-tile form is chosen at
+      gate's −5, docs/k3.md §3). With lower_bound ≥ −5 the dense diagonal-tile form is chosen at
       trace time; otherwise, packed, the pairwise form, and unpacked, one `lax.cond` on g
       (module docstring).
 

@@ -1,4 +1,4 @@
-"""Causal softmax attention for Gated MLA (spec §4), materialised and absorbed forms.
+"""Causal softmax attention for Gated MLA (docs/k3.md §4), materialised and absorbed forms.
 
 Conventions: queries q [B,T,H,Dk], keys k [B,S,H,Dk], values v [B,S,H,V] with T ≤ S; the T
 queries are the *last* T positions of the S keys (T = S for training/prefill, T = 1 for a

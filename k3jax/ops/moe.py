@@ -4,7 +4,7 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
 
 - `situ_glu(a, b)` / `swiglu(a, b)`: the gated activations (computed in fp32).
 - `route(scores, bias, k)`: top-k selection on biased scores, weights from unbiased scores,
-  and the (k+1)-th biased score (the Quantile Balancing cutoff, spec §7).
+  and the (k+1)-th biased score (the Quantile Balancing cutoff, docs/k3.md §7).
 - `capacity(num_tokens, k, num_experts, capacity_factor)`: static rows per expert.
 - `expert_mlp(x, weights, indices, w1, w3, w2, ..., gmm=None)`: the routed experts, computed
   one of two ways chosen by the caller (k3jax/layers/backend.py picks for the model):
@@ -23,10 +23,10 @@ Spec §6. Pure `jnp`; no parameters. The public entry points:
   the gated activation before w2 — fake-quantised to MXFP8 along its last axis with a
   straight-through gradient (`quantized_inputs`, k3jax/quant/qat.py), in every path: the
   quantiser acts per row and per 32-value block, so where a row sits (buffer, tile, sorted
-  rows, every expert at once) cannot change it. Quantisation-aware training (spec §13) adds
+  rows, every expert at once) cannot change it. Quantisation-aware training (docs/k3.md §13) adds
   MXFP4 weights, which the caller passes (fake-quantised floats or `MXFP4Weight`s).
 - `MXFP4Weight(packed, scale)`: an expert matrix kept as the release's MXFP4 bytes
-  (`ModelConfig.expert_format="mxfp4"`). Every w1/w3/w2 argument above may be one: the sorted
+  (`ModelConfig.modes.expert_format="mxfp4"`). Every w1/w3/w2 argument above may be one: the sorted
   path and `batched_experts` dequantise it inside the computation, a chunk of experts (or one
   tile's expert) at a time (`DEQUANT_CHUNK_ELEMENTS`), so all experts never exist in bf16 at
   once; the reference dequantises everything first. A `gmm` takes packed weights only when it
@@ -236,7 +236,7 @@ def route(scores: Array, bias: Array, k: int) -> tuple[Array, Array, Array]:
 
   Args:
     scores: [N, E] router scores (sigmoid of the fp32 logits).
-    bias: [E] selection-only bias (Quantile Balancing, spec §7).
+    bias: [E] selection-only bias (Quantile Balancing, docs/k3.md §7).
     k: experts per token, 1 ≤ k < E (the (k+1)-th value is needed for the cutoff).
 
   Returns:

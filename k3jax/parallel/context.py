@@ -1,4 +1,4 @@
-"""Context parallelism: the sequence axis sharded over the mesh axis `context` (spec §3, §4).
+"""Context parallelism: the sequence axis sharded over the mesh axis `context` (docs/k3.md §3, §4).
 
 KDA (`kda_context_parallel`). The delta-rule state update is affine in the state, and every
 column of S ∈ R^{K×V} evolves independently (S[:, j] += β k (v_j − S[:, j]·k) after decay), so
@@ -211,7 +211,7 @@ def mla_attention_context_parallel(
     length: global positions ≥ `length` are padding: their queries are left out of
       `max_logit` (their keys come after every real query, so the causal mask already hides
       them). None: no padding.
-  Returns (o [B, T_l, H, Dv] fp32 (spec §4: attention output in fp32), max_logit [H]: the
+  Returns (o [B, T_l, H, Dv] fp32 (docs/k3.md §4: attention output in fp32), max_logit [H]: the
   largest unmasked logit per head over this shard's batch rows and the whole sequence).
   """
   t_l = q.shape[1]

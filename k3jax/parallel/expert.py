@@ -1,4 +1,4 @@
-"""Expert parallelism: routed experts sharded over the mesh axis `expert` (spec §6, §7).
+"""Expert parallelism: routed experts sharded over the mesh axis `expert` (docs/k3.md §6, §7).
 
 Inside `jax.shard_map`, every device holds its own tokens (batch over data/fsdp/expert, length
 over context) and E/ep experts. With **static shapes only** (XLA:CPU has no ragged all-to-all):

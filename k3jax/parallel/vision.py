@@ -1,4 +1,4 @@
-"""The vision tower under a mesh (spec §11): packed streams over the batch axes, and one stream
+"""The vision tower under a mesh (docs/k3.md §11): packed streams over the batch axes, and one stream
 split over `context` along its patches.
 
 A packed stream [B, L, …] (k3jax.vision.packing) is laid out like the text model's residual

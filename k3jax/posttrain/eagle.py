@@ -1,6 +1,6 @@
-"""The EAGLE-3 draft (spec §10, §13): the MTP layer re-tuned, target frozen, as a chained draft.
+"""The EAGLE-3 draft (docs/k3.md §10, §13): the MTP layer re-tuned, target frozen, as a chained draft.
 
-The draft is the model's MTP layer with one change of input (`ModelConfig.eagle_blocks`): the
+The draft is the model's MTP layer with one change of input (`ModelConfig.modes.eagle_blocks`): the
 feature of position i is draft_fuse(concat of AttnRes block representations, K3: blocks 1, 4
 and the last) instead of the final hidden state, so the draft sees low, middle and high
 features of the target. At inference (`speculative.speculative_generate(draft_len=n)`) it
@@ -74,8 +74,8 @@ def chain_logits(config: ModelConfig, draft: dict, variables: dict, tokens, *,
   0 where the chain ran past the end of the row (target logits fp32 [N,V], draft [N,V],
   weight [N]).
   """
-  if not config.eagle_blocks:
-    raise ValueError("chain_logits: config.eagle_blocks is None (not an EAGLE-3 draft config)")
+  if not config.modes.eagle_blocks:
+    raise ValueError("chain_logits: config.modes.eagle_blocks is None (not an EAGLE-3 draft config)")
   if not isinstance(steps, int) or steps < 1:
     raise ValueError(f"steps: expected an int >= 1, found {steps!r}")
   if not isinstance(anchor_stride, int) or anchor_stride < 1:

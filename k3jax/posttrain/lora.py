@@ -23,7 +23,6 @@ compiled step reads (`ShardedStep(compiler_layouts=("frozen",))`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 from typing import Any
@@ -35,7 +34,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from k3jax.config import ModelConfig, config_diff, config_from_dict, config_to_dict
+from k3jax.config import ModelConfig, RunModes, config_diff, config_from_dict, config_to_dict
 from k3jax.convert.checkpoint import load_pretrained, manager
 from k3jax.layers.linear import LORA
 from k3jax.ops.lora import merge
@@ -52,16 +51,15 @@ ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
 
 
 def check_config(config: ModelConfig) -> None:
-  if config.lora_rank <= 0:
-    raise ValueError(f"ModelConfig.lora_rank: LoRA training needs lora_rank > 0, found "
-                     f"{config.lora_rank}")
+  if config.modes.lora_rank <= 0:
+    raise ValueError(f"ModelConfig.modes.lora_rank: LoRA training needs lora_rank > 0, found "
+                     f"{config.modes.lora_rank}")
 
 
 def without_adapters(config: ModelConfig) -> ModelConfig:
   """`config` with its adapter fields at their defaults: the model a base checkpoint for it
   holds (a base is compared with a LoRA run's config through this)."""
-  return config.replace(**{f.name: f.default for f in dataclasses.fields(ModelConfig)
-                           if f.name in ADAPTER_FIELDS})
+  return config.replace(**{f: getattr(RunModes(), f) for f in ADAPTER_FIELDS})
 
 
 def _check_same_tree(what: str, got: Any, want: Any) -> None:

@@ -4,7 +4,7 @@ A block of 32 consecutive values along the **last** axis shares one E8M0 scale b
 (value 2^(byte − 127)); each value is stored as a small float code. MXFP4 packs two 4-bit
 codes per byte, **low nibble first** (element 2i in bits 0–3, element 2i+1 in bits 4–7), which
 is the layout of Kimi K3's published experts (`weight_packed` [out, in/2] + `weight_scale`
-[out, in/32], PyTorch [out, in] weights: the blocks run along the input axis). K3_SPEC.md §9.
+[out, in/32], PyTorch [out, in] weights: the blocks run along the input axis). docs/k3.md §9.
 
 Encoding follows the OCP MX v1.0 rule: shared exponent X = floor(log2(max|v|)) − emax_elem
 (emax_elem = 2 for E2M1, 8 for E4M3), elements = round-to-nearest-even(v / 2^X), saturated to
@@ -220,7 +220,7 @@ def mx_round(w, fmt: str = "mxfp4"):
 
 
 # ---------------------------------------------------------------------- packed expert params
-# The parameter form of `ModelConfig.expert_format="mxfp4"` (k3jax/layers/moe.py). Every routed
+# The parameter form of `ModelConfig.modes.expert_format="mxfp4"` (k3jax/layers/moe.py). Every routed
 # expert matrix of a MoE layer's `experts` module is two uint8 leaves, each expert's slice being
 # byte for byte the release's `experts.E.<w>.weight_packed` / `.weight_scale` tensor (PyTorch
 # [out, in] orientation, MX blocks along the input axis), stacked along a leading expert axis:

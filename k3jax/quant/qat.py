@@ -2,7 +2,7 @@
 
 Spec §13: from SFT on, every routed expert matmul runs on MXFP4 weights and MXFP8 input
 activations in the forward pass, with straight-through gradients, and rollout/generation use
-the same quantiser. `ModelConfig.expert_qat = "mxfp4_mxfp8"` turns it on (docs/notes/qat.md).
+the same quantiser. `ModelConfig.modes.expert_qat = "mxfp4_mxfp8"` turns it on (docs/notes/qat.md).
 
 The quantiser is `k3jax.quant.mx` — the codec the exporter (`tools/export_to_pytorch
 --expert_format mxfp4`, k3jax/convert/names.py `from_ours`) and the packed experts

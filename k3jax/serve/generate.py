@@ -95,8 +95,8 @@ def decode_fn(config: ModelConfig):
 
 def check_token_ids(config: ModelConfig, tokens, what: str = "tokens") -> None:
   arr = np.asarray(tokens)
-  if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
-    raise ValueError(f"{what}: token ids must be in [0, vocab_size={config.vocab_size}), found "
+  if arr.size and (arr.min() < 0 or arr.max() >= config.text.vocab_size):
+    raise ValueError(f"{what}: token ids must be in [0, vocab_size={config.text.vocab_size}), found "
                      f"[{arr.min()}, {arr.max()}]")
 
 

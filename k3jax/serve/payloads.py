@@ -1,6 +1,6 @@
 """A reused prefix between a decode `Cache` and the `PrefixCache`'s host payloads.
 
-What `prefix_cache.PrefixCache` stores for a prefix (spec §10): the MLA latents of its tokens
+What `prefix_cache.PrefixCache` stores for a prefix (docs/k3.md §10): the MLA latents of its tokens
 (every MLA layer) and the KDA checkpoint at its boundary (every KDA layer's state and conv
 tail). These three functions copy them out of a cache row and build a cache that resumes from
 them; the layers are visited in global order through `Cache.layers` / `Cache.with_layer`.
@@ -41,7 +41,7 @@ def cache_from_prefix(config: ModelConfig, rows: Sequence[tuple], max_len: int) 
   cache = Cache.zeros(config, len(rows), max_len)
   layers = list(cache.layers)
   lengths = np.zeros(len(rows), np.int32)
-  r = config.kv_lora_rank
+  r = config.text.kv_lora_rank
   for b, (lat, kda) in enumerate(rows):
     n = 0 if lat is None else lat.shape[1]
     if n and kda is None and any(isinstance(c, KDACache) for c in layers):

@@ -1,4 +1,4 @@
-"""KDA-aware prefix cache: MLA latent pages and KDA state checkpoints in one page pool (spec §10).
+"""KDA-aware prefix cache: MLA latent pages and KDA state checkpoints in one page pool (docs/k3.md §10).
 
 A hybrid model can only resume a prompt from position b when it has, for that prefix,
   * the MLA latent cache of every token before b (every MLA layer), and

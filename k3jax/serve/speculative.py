@@ -1,4 +1,4 @@
-"""Speculative decoding pieces: exact rejection sampling and the LK draft loss (spec §10).
+"""Speculative decoding pieces: exact rejection sampling and the LK draft loss (docs/k3.md §10).
 
 `verify_drafts` is the standard speculative-sampling acceptance rule: draft token d (drawn from
 the draft distribution q) is accepted with probability min(1, p(d)/q(d)); at the first rejection
@@ -170,8 +170,8 @@ def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Seque
   "tokens_per_round", "rounds", "drafts"}). Stop tokens/strings are not applied here
   (fixed-length output).
   """
-  if not config.num_mtp_layers:
-    raise ValueError("config.num_mtp_layers: speculative decoding needs the MTP layer, found 0")
+  if not config.text.num_mtp_layers:
+    raise ValueError("config.text.num_mtp_layers: speculative decoding needs the MTP layer, found 0")
   if not isinstance(draft_len, int) or draft_len < 1:
     raise ValueError(f"draft_len: expected an int >= 1, found {draft_len!r}")
   n = draft_len
@@ -195,7 +195,7 @@ def speculative_generate(config: ModelConfig, variables, prompts: Sequence[Seque
   key, sub = jax.random.split(jax.random.PRNGKey(seed))
   x_n = sample(sub, last_logits, sampling)
   # Pairs the draft still has to see, [B, n+1] (the first pend_n valid); the last one drafts.
-  pend = (jnp.zeros((bsz, n + 1, config.d_model), jnp.float32).at[:, 0].set(last_h),
+  pend = (jnp.zeros((bsz, n + 1, config.text.d_model), jnp.float32).at[:, 0].set(last_h),
           jnp.zeros((bsz, n + 1), jnp.int32).at[:, 0].set(x_n), jnp.ones((bsz,), jnp.int32))
   out = [[int(t)] for t in np.asarray(x_n)]
   one_round = _round_jit(config, n, sampling)

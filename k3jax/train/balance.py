@@ -1,4 +1,4 @@
-"""Quantile Balancing of the router bias as an optax transformation (spec §7).
+"""Quantile Balancing of the router bias as an optax transformation (docs/k3.md §7).
 
 The router bias `e_score_correction_bias` lives in the `balance` collection, which the
 optimizer manages next to `params` (label "balance", k3jax.train.optim). It never receives a

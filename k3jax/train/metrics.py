@@ -42,11 +42,11 @@ def _leaf_items(params, prefix=""):
 def active_params(config: ModelConfig, params: dict, with_mtp: bool = True) -> float:
   """Parameters multiplied per token (see module docstring); `params` may be abstract."""
   total = 0.0
-  frac = config.experts_per_token / max(1, config.num_experts)
+  frac = config.text.experts_per_token / max(1, config.text.num_experts)
   for path, x in _leaf_items(params):
     parts = path.split("/")
     if "embed_tokens" in parts:
-      if config.tie_word_embeddings:
+      if config.text.tie_word_embeddings:
         total += float(np.prod(x.shape))   # used as the head
       continue
     if not with_mtp and "mtp" in parts:
@@ -61,13 +61,13 @@ def active_params(config: ModelConfig, params: dict, with_mtp: bool = True) -> f
 def flops_per_token(config: ModelConfig, params: dict, seq_len: int,
                     with_mtp: bool = True) -> float:
   """Training FLOPs per token (module docstring)."""
-  n_mla = sum(1 for m, _ in config.layer_types() if m == MLA) + (
-      config.num_mtp_layers if with_mtp else 0)
-  n_kda = config.num_layers - sum(1 for m, _ in config.layer_types() if m == MLA)
-  mla = 6 * n_mla * config.num_heads * (config.qk_head_dim + config.v_head_dim) * seq_len / 2
-  dk = dv = config.kda_head_dim
-  c = min(config.kda_chunk_size, seq_len)
-  kda = 6 * n_kda * config.kda_num_heads * (2 * dk * dv + c * (dk + dv) / 2)
+  n_mla = sum(1 for m, _ in config.text.layer_types() if m == MLA) + (
+      config.text.num_mtp_layers if with_mtp else 0)
+  n_kda = config.text.num_layers - sum(1 for m, _ in config.text.layer_types() if m == MLA)
+  mla = 6 * n_mla * config.text.num_heads * (config.text.qk_head_dim + config.text.v_head_dim) * seq_len / 2
+  dk = dv = config.text.kda_head_dim
+  c = min(config.modes.kda_chunk_size, seq_len)
+  kda = 6 * n_kda * config.text.kda_num_heads * (2 * dk * dv + c * (dk + dv) / 2)
   return 6 * active_params(config, params, with_mtp) + mla + kda
 
 

@@ -1,4 +1,4 @@
-"""The optimizer of spec §8: Per-Head Muon + AdamW, QK-Clip, and where each parameter goes.
+"""The optimizer of docs/k3.md §8: Per-Head Muon + AdamW, QK-Clip, and where each parameter goes.
 
 Parameters are split by Flax path (`param_label`):
   "adam"    embeddings, lm_head, norm weights, vectors (A_log, dt_bias, AttnRes pseudo-queries
@@ -28,7 +28,7 @@ is explicit and testable; the maths is the same.
 QK-Clip (`qk_clip`): after the update, for an MLA head h with max logit L_h > τ, γ = τ/L_h:
   q_b_proj[..., h, :nope] *= √γ   (query nope part)    kv_b_proj[..., h, :nope] *= √γ (key nope)
   q_b_proj[..., h, nope:] *= γ    (query rope part: it multiplies the shared key part k_r of
-                                   kv_a_proj_with_mqa, which is *not* clipped, spec §8)
+                                   kv_a_proj_with_mqa, which is *not* clipped, docs/k3.md §8)
 Every logit of head h, q_n·k_n + q_r·k_r, is then multiplied by exactly γ, so its max is τ.
 """
 
@@ -318,8 +318,8 @@ def optimizer(run: RunConfig, config: ModelConfig
   over {"params", "balance"}, Quantile Balancing (or the run's other method) of the biases."""
   o = run.optim
   schedule = warmup_cosine(o.lr, run.train.steps, o.warmup_frac, o.final_lr_frac)
-  balance_tx = qb.quantile_balancing(run.balance.method, k=config.experts_per_token,
-                                     value_range=config.qb_range, gamma=run.balance.gamma)
+  balance_tx = qb.quantile_balancing(run.balance.method, k=config.text.experts_per_token,
+                                     value_range=config.modes.qb_range, gamma=run.balance.gamma)
   tx = make_optimizer(schedule, weight_decay=o.weight_decay, momentum=o.momentum,
                       adam_b1=o.adam_b1, adam_b2=o.adam_b2, muon=o.muon, balance_tx=balance_tx,
                       clip_norm=o.clip_norm, mu_dtype=dtype_of(o.mu_dtype) if o.mu_dtype else None,

@@ -180,9 +180,9 @@ class RunConfig:
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
-    _need(self.model.vocab_size >= NUM_BYTES + NUM_SPECIAL, "model.vocab_size",
+    _need(self.model.text.vocab_size >= NUM_BYTES + NUM_SPECIAL, "model.vocab_size",
           f"the byte tokenizer needs >= {NUM_BYTES + NUM_SPECIAL}, found "
-          f"{self.model.vocab_size}")
+          f"{self.model.text.vocab_size}")
 
   def replace(self, **groups: Any) -> "RunConfig":
     return dataclasses.replace(self, **groups)

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warm-up then cosine decay (spec §8: cosine, 1% warm-up)."""
+"""Learning-rate schedule: linear warm-up then cosine decay (docs/k3.md §8: cosine, 1% warm-up)."""
 
 from __future__ import annotations
 

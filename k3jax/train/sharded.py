@@ -255,7 +255,7 @@ def build_step(run: RunConfig, config: ModelConfig, mesh: Mesh | None = None, *,
     check_mesh(run, config, mesh)
   train = jit_step(lm_loss(config, run.train.mtp_weight), tx, PRETRAIN, config, mesh,
                    grad_accum=run.train.grad_accum,
-                   qk_clip=(run.optim.qk_clip_tau, config.qk_nope_head_dim), schedule=schedule,
+                   qk_clip=(run.optim.qk_clip_tau, config.text.qk_nope_head_dim), schedule=schedule,
                    rules=run_rules(run) if rules is None else rules, boxed=boxed,
                    offload_momentum=run.optim.offload_momentum, donate=donate)
   return Step(tx, schedule, train, jax.jit(make_eval_step(config)))

@@ -75,15 +75,15 @@ class Trainable:
     return params, _prune(rest), balance
 
 
-def _take(tree: dict, path: tuple[str, ...]) -> tuple[Any, dict]:
-  """(tree at `path`, tree without it); ValueError naming a missing key."""
-  key, rest = path[0], path[1:]
+def _take(tree: dict, path: tuple[str, ...], depth: int = 0) -> tuple[Any, dict]:
+  """(tree at `path[depth:]`, tree without it); ValueError naming a missing key."""
+  key = path[depth]
   if not isinstance(tree, dict) or key not in tree:
     raise ValueError(f"trainable path {'/'.join(path)}: no {key!r} among "
                      f"{sorted(tree) if isinstance(tree, dict) else type(tree).__name__}")
-  if not rest:
+  if depth == len(path) - 1:
     return tree[key], {k: v for k, v in tree.items() if k != key}
-  sub, left = _take(tree[key], rest)
+  sub, left = _take(tree[key], path, depth + 1)
   return sub, {**tree, key: left}
 
 

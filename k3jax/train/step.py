@@ -165,7 +165,7 @@ def token_counts(batch: dict, use_mtp: bool):
 
 def lm_loss(config: ModelConfig, mtp_weight: float = 0.3) -> Loss:
   """The language-model loss (module doc); metrics "ce" and "mtp_ce" (nats/token)."""
-  use_mtp = bool(config.num_mtp_layers) and mtp_weight > 0
+  use_mtp = bool(config.text.num_mtp_layers) and mtp_weight > 0
   model = K3Model(config)
 
   def fn(variables, batch, totals):

@@ -127,7 +127,7 @@ def make_data(run: RunConfig, config: ModelConfig):
     it, evals = sft.make_data(train_convs, held, t.seq_len, t.batch_size, run.seed, n_eval)
     return it, evals, []
   if d.source != SHAPES:
-    corpus = corpus_lib.load_corpus(d.source, d.eval_percent, config.vocab_size)
+    corpus = corpus_lib.load_corpus(d.source, d.eval_percent, config.text.vocab_size)
     it = corpus_lib.DataIterator(corpus, t.batch_size, t.seq_len, run.seed, curriculum)
     evals = corpus_lib.eval_batches(corpus, n_eval, t.batch_size, t.seq_len, run.seed)
     return it, (evals if n_eval else []), []
@@ -144,7 +144,7 @@ def make_data(run: RunConfig, config: ModelConfig):
   length = d.media_length or config.vision.pack_buckets[-1]
   stream = fp = None
   if d.text_fraction > 0:
-    corpus = corpus_lib.load_corpus(d.text_source, d.eval_percent, config.vocab_size)
+    corpus = corpus_lib.load_corpus(d.text_source, d.eval_percent, config.text.vocab_size)
     stream, fp = corpus.train, corpus.fingerprint()
   it = captions.ShapesIterator(config.vision, t.batch_size, t.seq_len, length, run.seed,
                                d.text_fraction, stream, fp)
@@ -215,7 +215,7 @@ def train(run: RunConfig, workdir: str, *, recipe: Recipe = PRETRAINING,
   end = t.steps if until is None else min(t.steps, until)
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=t.tensorboard)
   # MFU's ceiling: the matmul rate of this device in the model's compute dtype, measured now.
-  peak = (t.peak_flops or metrics_lib.matmul_peak(dtype=jnp.dtype(config.dtype))
+  peak = (t.peak_flops or metrics_lib.matmul_peak(dtype=jnp.dtype(config.modes.dtype))
           if recipe.lm else None)
   params = state.variables["params"]
   muon_fps = (metrics_lib.muon_flops_per_step(params, freeze_experts=t.freeze_experts)

@@ -1,4 +1,4 @@
-"""Media inside the token stream (spec §11): packed vision inputs for `K3Model` and the op that
+"""Media inside the token stream (docs/k3.md §11): packed vision inputs for `K3Model` and the op that
 puts the projector's outputs at the placeholder positions.
 
 A text row holds, for each image or video, (h/2)(w/2) copies of `media_placeholder_token_id`.

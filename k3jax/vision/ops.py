@@ -1,4 +1,4 @@
-"""MoonViT math as pure jnp functions (spec §11): no parameters, no Flax.
+"""MoonViT math as pure jnp functions (docs/k3.md §11): no parameters, no Flax.
 
 Conventions. A *packed stream* holds the patches of several samples (images, or videos of up to
 `max_frames` frames) one after another, each sample's patches in (t, row, col) order, padded to

@@ -1,4 +1,4 @@
-"""MoonViT tower and projector as thin Flax modules over `k3jax.vision.ops` (spec §11).
+"""MoonViT tower and projector as thin Flax modules over `k3jax.vision.ops` (docs/k3.md §11).
 
 Parameter paths mirror the released checkpoint's tensor names (`k3jax.convert.vision_names` is the
 map): `vision_tower/patch_embed/proj`, `vision_tower/patch_embed/pos_emb/weight`,

@@ -1,4 +1,4 @@
-"""Release names ⇄ k3jax parameter paths for the vision tower and projector (spec §11)."""
+"""Release names ⇄ k3jax parameter paths for the vision tower and projector (docs/k3.md §11)."""
 
 import jax
 import numpy as np

@@ -133,7 +133,8 @@ def test_eval_figures_on_hand_built_replies():
     assert conv.messages[-2].tool_calls == calc.conversation.messages[1].tool_calls
     return [(tok(f"ok[close][open]response[sep]{calc.answer}[close]"), True)]
 
-  out = evaluate(types.SimpleNamespace(vocab_size=272), None, samples, replies_fn=replies)
+  out = evaluate(types.SimpleNamespace(text=types.SimpleNamespace(vocab_size=272)), None, samples,
+                 replies_fn=replies)
   assert len(calls) == 2
   assert out["replies"] == 6 and out["parse_rate"] == pytest.approx(4 / 6)
   assert out["exact_match"] == pytest.approx(2 / 5)

@@ -31,5 +31,5 @@ def test_eagle_experiment(tmp_path):
     assert 0.0 <= fig["acceptance_rate"] <= 1.0 and fig["speculative_tokens_per_s"] > 0
   assert json.loads((tmp_path / "out" / "eagle.json").read_text()) == res
   dcfg, dv = load_pretrained(tmp_path / "out" / "draft")
-  assert dcfg.eagle_blocks == (1, 0, -1) and dv["params"]["draft_fuse"]["kernel"].shape == (
-      3 * cfg.d_model, cfg.d_model)
+  assert dcfg.modes.eagle_blocks == (1, 0, -1) and dv["params"]["draft_fuse"]["kernel"].shape == (
+      3 * cfg.text.d_model, cfg.text.d_model)

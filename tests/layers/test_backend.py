@@ -58,4 +58,4 @@ def test_kernels_resolved_once_per_config():
   assert backend.kernels(preset("tiny", kernel_backend="auto")) is backend.kernels(
       preset("tiny"))  # CPU: "auto" is "xla"
   # The layers' KDA helper hands out the record's functions.
-  assert backend.kda_chunked_fn("pallas", lower_bound=cfg.kda_lower_bound) is ks.kda_chunked
+  assert backend.kda_chunked_fn("pallas", lower_bound=cfg.text.kda_lower_bound) is ks.kda_chunked

@@ -26,7 +26,7 @@ def _np_kda_layer(p, x, cfg, seg=None):
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
   x = np.asarray(x, np.float64)
   b, t, _ = x.shape
-  h, dk = cfg.kda_num_heads, cfg.kda_head_dim
+  h, dk = cfg.text.kda_num_heads, cfg.text.kda_head_dim
   seg = np.zeros((b, t), int) if seg is None else np.asarray(seg)
 
   def proj_conv(name):
@@ -45,14 +45,14 @@ def _np_kda_layer(p, x, cfg, seg=None):
   q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6)
   k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
   z = np.einsum("btr,rhk->bthk", x @ p["f_a_proj"]["kernel"], p["f_b_proj"]["kernel"])
-  if cfg.kda_a_log_axis == "head":
+  if cfg.text.kda_a_log_axis == "head":
     rate = np.exp(p["A_log"])[:, None]     # [H,1]: one rate per head
   else:
     rate = np.exp(p["A_log"])[None, :]     # [1,K]: one per key channel, shared by the heads
-  if cfg.kda_lower_bound is None:
+  if cfg.text.kda_lower_bound is None:
     g = -rate * np.logaddexp(0, z + p["dt_bias"])
   else:
-    g = cfg.kda_lower_bound * _sigmoid(rate * (z + p["dt_bias"]))
+    g = cfg.text.kda_lower_bound * _sigmoid(rate * (z + p["dt_bias"]))
   beta = _sigmoid(np.einsum("btd,dh->bth", x, p["b_proj"]["kernel"]))
   o = np.zeros((b, t, h, dk))
   for bi in range(b):
@@ -65,7 +65,7 @@ def _np_kda_layer(p, x, cfg, seg=None):
         s = np.exp(g[bi, ti, hi])[:, None] * s
         s = s + beta[bi, ti, hi] * np.outer(kt, vt - s.T @ kt)
         o[bi, ti, hi] = s.T @ (q[bi, ti, hi] * dk ** -0.5)
-  if cfg.full_rank_gates:
+  if cfg.text.full_rank_gates:
     gate = np.einsum("btd,dhv->bthv", x, p["g_proj"]["kernel"])
   else:
     gate = np.einsum("btr,rhv->bthv", x @ p["g_a_proj"]["kernel"], p["g_b_proj"]["kernel"])
@@ -76,7 +76,7 @@ def _np_kda_layer(p, x, cfg, seg=None):
 @functools.lru_cache(maxsize=None)
 def _setup(name, t=20, seed=0, a_log_axis="head"):
   cfg = preset(name, kda_a_log_axis=a_log_axis)
-  x = jax.random.normal(jax.random.key(seed), (2, t, cfg.d_model))
+  x = jax.random.normal(jax.random.key(seed), (2, t, cfg.text.d_model))
   mod = KDA(cfg)
   v = nn.unbox(jax.jit(mod.init)(jax.random.key(seed + 1), x))
   return cfg, mod, v, x
@@ -127,7 +127,7 @@ def test_decode_from_cache_matches_reference(a_log_axis):
 
 def test_param_shapes_follow_contract():
   cfg, _, v, _ = _setup("tiny")
-  d, h, k, r, w = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_gate_rank, 4
+  d, h, k, r, w = cfg.text.d_model, cfg.text.kda_num_heads, cfg.text.kda_head_dim, cfg.text.kda_gate_rank, 4
   p = v["params"]
   shapes = {
       "q_proj": (d, h, k), "k_proj": (d, h, k), "v_proj": (d, h, k), "q_conv1d": (w, h, k),
@@ -166,4 +166,4 @@ def test_short_conv_packed_documents_are_bitwise_isolated():
 def test_bad_input():
   cfg, mod, v, _ = _setup("tiny")
   with pytest.raises(ValueError, match="KDA: x must be"):
-    mod.apply(v, jnp.zeros((2, 4, cfg.d_model + 1)))
+    mod.apply(v, jnp.zeros((2, 4, cfg.text.d_model + 1)))

@@ -20,12 +20,12 @@ def _np_swiglu(a, b):
 @pytest.mark.parametrize("activation", ["situ", "swiglu"])
 def test_mlp_matches_numpy(activation):
   cfg = preset("tiny", activation=activation)
-  x = np.random.default_rng(0).normal(size=(2, 5, cfg.d_model)).astype(np.float32) * 3
+  x = np.random.default_rng(0).normal(size=(2, 5, cfg.text.d_model)).astype(np.float32) * 3
   mod = MLP(cfg, 48)
   v = nn.unbox(mod.init(jax.random.key(0), x))
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), v["params"])
-  assert p["gate_proj"]["kernel"].shape == (cfg.d_model, 48)
-  assert p["down_proj"]["kernel"].shape == (48, cfg.d_model)
+  assert p["gate_proj"]["kernel"].shape == (cfg.text.d_model, 48)
+  assert p["down_proj"]["kernel"].shape == (48, cfg.text.d_model)
   act = _np_situ if activation == "situ" else _np_swiglu
   ref = act(x @ p["gate_proj"]["kernel"], x @ p["up_proj"]["kernel"]) @ p["down_proj"]["kernel"]
   np.testing.assert_allclose(mod.apply(v, x), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

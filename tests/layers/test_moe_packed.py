@@ -14,10 +14,10 @@ from k3jax.quant import mx
 
 def test_packed_params_layout():
   cfg = preset("tiny", expert_format="mxfp4")
-  x = jnp.zeros((2, 4, cfg.d_model))
+  x = jnp.zeros((2, 4, cfg.text.d_model))
   v = nn.unbox(StableLatentMoE(cfg).init(jax.random.key(0), x))
   ex = v["params"]["experts"]
-  e, l, f = cfg.num_experts, cfg.latent_moe_dim, cfg.moe_intermediate_size
+  e, l, f = cfg.text.num_experts, cfg.text.latent_moe_dim, cfg.text.moe_intermediate_size
   shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), ex)
   assert shapes == {
       "w1": {"weight_packed": ((e, f, l // 2), "uint8"), "weight_scale": ((e, f, l // 32), "uint8")},
@@ -25,16 +25,16 @@ def test_packed_params_layout():
       "w2": {"weight_packed": ((e, l, f // 2), "uint8"), "weight_scale": ((e, l, f // 32), "uint8")}}
   # Init packs what the bf16 layer would draw (scales are those of a fan-in init, not zeros).
   assert int(ex["w1"]["weight_scale"].min()) > 100 and int(ex["w1"]["weight_packed"].max()) > 0
-  with pytest.raises(ValueError, match="ModelConfig.expert_format"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.expert_format"):
     preset("tiny", expert_format="fp4")
-  with pytest.raises(ValueError, match="ModelConfig.expert_format: 'mxfp4' needs"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.expert_format: 'mxfp4' needs"):
     preset("tiny", expert_format="mxfp4", latent_moe_dim=48)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_packed_layer_equals_dequantised_bf16_layer(capacity_factor):
   cfg = preset("tiny", expert_format="mxfp4", moe_capacity_factor=capacity_factor)
-  x = jax.random.normal(jax.random.key(1), (2, 8, cfg.d_model))
+  x = jax.random.normal(jax.random.key(1), (2, 8, cfg.text.d_model))
   v = nn.unbox(StableLatentMoE(cfg).init(jax.random.key(0), x))
   dense_cfg = cfg.replace(expert_format="bf16")
   dense_v = {**v, "params": mx.unpack_expert_params(v["params"])}

@@ -114,8 +114,8 @@ def test_merge_with_empty_partial():
 
 def test_source_counts_k3():
   cfg = preset("k3")
-  c = ar.attn_res_source_counts(cfg.num_layers, cfg.attn_res_block_size)
-  assert c["output"] == 9 == cfg.num_attn_res_blocks + 1
+  c = ar.attn_res_source_counts(cfg.text.num_layers, cfg.text.attn_res_block_size)
+  assert c["output"] == 9 == cfg.text.num_attn_res_blocks + 1
   assert c["attn"][0] == 0 and c["mlp"][0] == 2  # [embedding, attn out of layer 0]
   assert c["attn"][1:12] == [2] * 11 and c["mlp"][1:12] == [2] * 11
   assert c["attn"][12] == 2 and c["mlp"][12] == 3  # block 1 closes before layer 12's attention

@@ -1,4 +1,4 @@
-"""Tests for k3jax.ops.balance (Quantile Balancing, spec §7)."""
+"""Tests for k3jax.ops.balance (Quantile Balancing, docs/k3.md §7)."""
 
 import jax
 import jax.numpy as jnp

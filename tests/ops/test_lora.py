@@ -92,7 +92,7 @@ def _token_loop(x, w, idx, lws):
     base = lw.base.dequantize(jnp.float32) if moe_ops.is_packed(lw) else lw.base
     dense.append(np.asarray(base, np.float64) + np.matmul(np.asarray(lw.a, np.float64),
                                                           np.asarray(lw.b, np.float64)))
-  def situ(a, b, b1=4.0, b2=25.0):   # spec §6, in float64
+  def situ(a, b, b1=4.0, b2=25.0):   # docs/k3.md §6, in float64
     return b1 * np.tanh(a / b1) / (1 + np.exp(-a)) * b2 * np.tanh(b / b2)
 
   y = np.zeros_like(x)

@@ -16,7 +16,7 @@ B, T, H, K, V = 2, 32, 2, 4, 3   # V ≠ K: the [v | 0] trick must not assume sq
 
 def kda_naive(q, k, v, g, beta, *, scale, initial_state=None, chunk_size=16,
               segment_ids=None):
-  """Token-by-token delta rule (spec §3): decay, S += β k (v − Sᵀk)ᵀ, o = Sᵀ(scale·q).
+  """Token-by-token delta rule (docs/k3.md §3): decay, S += β k (v − Sᵀk)ᵀ, o = Sᵀ(scale·q).
   The state is reset to zero where the segment id changes (initial_state: first segment)."""
   del chunk_size
   b, t, h, dk = k.shape

@@ -183,7 +183,7 @@ def test_pallas_backend_on_an_expert_mesh_equals_single_device_xla(mesh_cfg):
   the Pallas grouped matmul (a pallas_call inside the shard_map), with the outputs and stats of
   the single-device XLA layer (dropless, so per-device capacity cannot differ)."""
   cfg = preset("tiny", moe_capacity_factor=None)
-  x = jax.random.normal(jax.random.key(7), (B, T, cfg.d_model), jnp.float32)
+  x = jax.random.normal(jax.random.key(7), (B, T, cfg.text.d_model), jnp.float32)
   v = nn.unbox(StableLatentMoE(cfg).init(jax.random.key(0), x))
 
   def apply(c):
@@ -234,7 +234,7 @@ def test_ep_with_packed_mxfp4_experts_equals_dequantised_reference(mesh_cfg):
 def test_packed_layer_on_an_expert_mesh_equals_single_device():
   """expert_format="mxfp4" layer under an expert mesh (shard_map over the packed params)."""
   cfg = preset("tiny", moe_capacity_factor=None, expert_format="mxfp4")
-  x = jax.random.normal(jax.random.key(8), (B, T, cfg.d_model), jnp.float32)
+  x = jax.random.normal(jax.random.key(8), (B, T, cfg.text.d_model), jnp.float32)
   v = nn.unbox(StableLatentMoE(cfg).init(jax.random.key(0), x))
   fn = jax.jit(lambda v, x: StableLatentMoE(cfg).apply(v, x, mutable=["stats"]))
   y_ref, st_ref = fn(v, x)

@@ -102,7 +102,7 @@ def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
   assert ("ppermute" in jaxpr) == (mesh.shape["context"] > 1)      # KDA state, conv halo
   assert ("pmax" in jaxpr) == (mesh.shape["context"] > 1)          # MLA's max logit over shards
   _close(logits, ref_logits, "logits")
-  assert mtp_logits.shape == (B, T - 1, config.vocab_size)
+  assert mtp_logits.shape == (B, T - 1, config.text.vocab_size)
   _close(mtp_logits, ref_mtp, "mtp_logits")
   _close(loss, ref_loss, "loss")
   flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]

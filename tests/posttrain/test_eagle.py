@@ -29,7 +29,7 @@ BASE = dict(num_layers=5, mla_every=2)
 @functools.lru_cache(maxsize=None)
 def _setup():
   cfg = eagle.eagle_config(preset("tiny", **BASE), (1, 0, -1))
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.text.vocab_size)
   v = nn.meta.unbox(jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0), tokens))
 
   def perturb(path, x):   # non-uniform AttnRes depth softmax
@@ -42,7 +42,7 @@ def _setup():
 
 def test_eagle_blocks_config():
   cfg = preset("tiny", eagle_blocks=(1, 2, -1))
-  assert cfg.eagle_block_indices() == (1, 2, cfg.num_attn_res_blocks)
+  assert cfg.eagle_block_indices() == (1, 2, cfg.text.num_attn_res_blocks)
   assert config_from_dict(config_to_dict(cfg)) == cfg
   for bad, match in [(dict(eagle_blocks=(1, 9)), r"\[9\] out of range"),
                      (dict(eagle_blocks=()), "non-empty tuple"),
@@ -107,7 +107,7 @@ def _bigram_model():
   function of the current token alone, and the draft (its MTP layer zeroed too, eh_proj
   passing the token embedding through) drafts g(x_{t+1}): exactly the target's next token."""
   cfg, v, _ = _setup()
-  d = cfg.d_model
+  d = cfg.text.d_model
 
   def zero(path, x):
     s = jax.tree_util.keystr(path)

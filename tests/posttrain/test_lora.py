@@ -122,7 +122,7 @@ def test_qlora_forward_is_lora_on_dequantised_base():
 def test_merged_model_is_base_plus_adapters():
   config, _, s = _trained()
   merged_config, merged = L.merge_adapters(config, s.variables)
-  assert merged_config.lora_rank == 0 and set(merged) == {"params", "balance"}
+  assert merged_config.modes.lora_rank == 0 and set(merged) == {"params", "balance"}
   tok = _tokens()
   y = np.asarray(_apply(config)(s.variables, tok))
   np.testing.assert_allclose(np.asarray(_apply(merged_config)(merged, tok)), y,
@@ -141,7 +141,7 @@ def test_adapters_in_a_scanned_group():
   merge (the scanned kernels folded per group)."""
   config = preset("tiny", num_layers=5, mla_every=2, num_mtp_layers=0, lora_rank=2,
                   lora_targets=ALL)
-  assert config.stack_layout()[1] == 1
+  assert config.text.stack_layout()[1] == 1
   tok = _tokens()
   v = jax.tree.map(np.asarray, jax.jit(K3Model(config).init)(jax.random.PRNGKey(0), tok))
   v = jax.tree.map(lambda x: getattr(x, "value", x), v,
@@ -167,7 +167,7 @@ def test_merge_requantises_packed_experts():
   config = config.replace(expert_format="mxfp4")
   packed = _packed(s.variables)
   merged_config, merged = L.merge_adapters(config, packed)
-  assert merged_config.expert_format == "mxfp4" and merged_config.lora_rank == 0
+  assert merged_config.modes.expert_format == "mxfp4" and merged_config.modes.lora_rank == 0
   ex = packed["params"]["layers_1"]["block_sparse_moe"]["experts"]
   lo = s.variables["lora"]["layers_1"]["block_sparse_moe"]["experts"]
   for name in ("w1", "w3", "w2"):
@@ -203,15 +203,15 @@ def test_adapters_save_load_round_trip(tmp_path):
 
 
 def test_config_errors_name_the_field():
-  with pytest.raises(ValueError, match="ModelConfig.lora_targets: unknown target"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.lora_targets: unknown target"):
     preset("tiny", lora_rank=2, lora_targets=("q", "router"))
-  with pytest.raises(ValueError, match="ModelConfig.lora_rank"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.lora_rank"):
     preset("tiny", lora_rank=-1)
-  with pytest.raises(ValueError, match="ModelConfig.lora_alpha"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.lora_alpha"):
     preset("tiny", lora_rank=2, lora_alpha=0.0)
-  with pytest.raises(ValueError, match="ModelConfig.lora_targets: lora_rank=2 needs"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.lora_targets: lora_rank=2 needs"):
     preset("tiny", lora_rank=2, lora_targets=())
-  with pytest.raises(ValueError, match="ModelConfig.lora_targets: duplicate"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.lora_targets: duplicate"):
     preset("tiny", lora_rank=2, lora_targets=("q", "q"))
   with pytest.raises(ValueError, match="lora_rank"):
     L.with_adapters(preset("tiny"), jax.random.PRNGKey(0))
@@ -225,7 +225,7 @@ def test_trainer_lora_run_and_resume(tmp_path):
   from k3jax.train import trainer
   cfg = _run_config()
   config, _, _ = _trained()
-  assert config.lora_rank == 4 and config.lora_targets == ALL
+  assert config.modes.lora_rank == 4 and config.modes.lora_targets == ALL
   bad = cfg.copy_and_resolve_references()
   bad.train.lora.targets = "q,nope"
   with pytest.raises(ValueError, match="lora_targets: unknown target"):
@@ -271,7 +271,7 @@ def test_merge_lora_tool(tmp_path):
                                       str(tmp_path / "qmerged"))
   _, q = load_pretrained(q_path)
   _, want = L.merge_adapters(config.replace(expert_format="mxfp4"), _packed(s.variables))
-  assert q_config.expert_format == "mxfp4"
+  assert q_config.modes.expert_format == "mxfp4"
   for a, b in zip(jax.tree.leaves(q["params"]), jax.tree.leaves(want["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   other = tmp_path / "other"

@@ -1,4 +1,4 @@
-"""Quantisation-aware training of the routed experts (k3jax/quant/qat.py, spec §13): the
+"""Quantisation-aware training of the routed experts (k3jax/quant/qat.py, docs/k3.md §13): the
 quantisers against ml_dtypes' E2M1/E4M3/E8M0 types; the QAT expert MLP in every path (reference,
 sorted buffer/tiled, grouped XLA/Pallas, packed, expert-parallel) against a per-pair reference on
 quantised weights and inputs (tests/quant/qat_reference.py); straight-through gradients against
@@ -47,9 +47,9 @@ def test_quantizers_are_the_ml_dtypes_roundings():
     qat.fake_mxfp4_expert(jnp.zeros((2, 40, 64)))
   with pytest.raises(ValueError, match="input_quant: expected None or 'mxfp8'"):
     moe_ops.quantized_inputs(x, None, "mxfp4")
-  with pytest.raises(ValueError, match="ModelConfig.expert_qat: expected None or 'mxfp4_mxfp8'"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.expert_qat: expected None or 'mxfp4_mxfp8'"):
     preset("tiny", expert_qat="mxfp4")
-  with pytest.raises(ValueError, match="ModelConfig.expert_qat: 'mxfp4_mxfp8' needs"):
+  with pytest.raises(ValueError, match="ModelConfig.modes.expert_qat: 'mxfp4_mxfp8' needs"):
     preset("tiny", expert_qat="mxfp4_mxfp8", moe_intermediate_size=48)
 
 

@@ -1,4 +1,4 @@
-"""Quantisation-aware training in K3Model (spec §13): modules outside the routed experts
+"""Quantisation-aware training in K3Model (docs/k3.md §13): modules outside the routed experts
 untouched by `expert_qat`; the MoE layer's routed path = the per-pair QAT reference
 (tests/quant/qat_reference.py); the served packed (MXFP4) model = the QAT model."""
 
@@ -88,10 +88,10 @@ def test_qat_moe_layer_equals_quantised_reference(tiny_model):
   moe = "layers_1/block_sparse_moe/"
   z = iq[moe + "routed_expert_down_proj/__call__"][0]
   scores, bias = iq[moe + "gate/__call__"][0]
-  w, idx, _ = moe_ops.route(scores, bias, cfg.experts_per_token)
-  u = qat_reference(z, w * cfg.routed_scaling_factor, idx,
+  w, idx, _ = moe_ops.route(scores, bias, cfg.text.experts_per_token)
+  u = qat_reference(z, w * cfg.text.routed_scaling_factor, idx,
                      *(p["experts"][n] for n in ("w1", "w3", "w2")))[0]
-  normed = u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.rms_norm_eps)
+  normed = u * jax.lax.rsqrt(jnp.mean(u * u, -1, keepdims=True) + cfg.text.rms_norm_eps)
   normed = normed * p["routed_expert_norm"]["weight"]
   np.testing.assert_allclose(iq[moe + "routed_expert_norm/__call__"][0], normed, rtol=1e-4,
                              atol=1e-5)

@@ -34,7 +34,7 @@ REL_TOL = 1e-4  # logits vs the float64 reference: ≤ REL_TOL · max|reference|
 @functools.lru_cache(maxsize=None)
 def _model(name):
   cfg = preset(name, **OVERRIDES[name])
-  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.vocab_size))
+  tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, cfg.text.vocab_size))
   v = nn.meta.unbox(jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0), tokens[:, :4]))
 
   # Non-zero AttnRes pseudo-queries, so the depth softmax is not a uniform average.
@@ -130,8 +130,8 @@ def test_speculative_greedy_equals_plain_greedy():
 
 def test_reused_prefix_gives_cold_prefill_logits():
   cfg, v, tokens, _ = _model("tiny")
-  kda_layers = sum(m == "kda" for m, _ in cfg.layer_types())
-  mla_layers = cfg.num_layers - kda_layers
+  kda_layers = sum(m == "kda" for m, _ in cfg.text.layer_types())
+  mla_layers = cfg.text.num_layers - kda_layers
   pc = PrefixCache(PrefixCacheConfig(
       num_pages=64, page_bytes=4096, mla_bytes_per_token=4 * mla_layers * 40,
       kda_layer_bytes=4 * 2 * 16 * 16, num_kda_layers=kda_layers, hash_tokens=8,
@@ -173,7 +173,7 @@ def test_bad_input_errors():
   with pytest.raises(ValueError, match="at least one token"):
     G.prefill(cfg, v, np.ones((1, 4), np.int32), np.array([0]))
   with pytest.raises(ValueError, match="vocab_size"):
-    G.prefill(cfg, v, np.array([[1, cfg.vocab_size]]), np.array([2]))
+    G.prefill(cfg, v, np.array([[1, cfg.text.vocab_size]]), np.array([2]))
   with pytest.raises(ValueError, match="vocab_size"):
     G.prefill(cfg, v, np.array([[1, -1]]), np.array([2]))
   model = K3Model(cfg)

@@ -1,6 +1,6 @@
 """Test helpers: random K3Model weights and an independent, hand-written K3-layout writer.
 
-`write_k3_checkpoint` spells every PyTorch name and transpose out explicitly (K3_SPEC.md §9,
+`write_k3_checkpoint` spells every PyTorch name and transpose out explicitly (docs/k3.md §9,
 and §11 for a MoonViT-V2 vision tower), without k3jax.convert's tensor map or
 k3jax.convert.vision_names, so the converter is checked against a second reading of the spec rather
 than against itself.
@@ -98,7 +98,7 @@ def _layer_tensors(c: ModelConfig, params: dict, balance: dict, mixer: str, mlp:
     out[a + "b_proj.weight"] = _lin(p("self_attn", "b_proj", "kernel"))
     out[a + "g_proj.weight"] = _lin(p("self_attn", "g_proj", "kernel"))
     a_log = p("self_attn", "A_log")
-    if c.kda_a_log_axis == "channel":     # one rate per key dimension: stored as it is, [K]
+    if c.text.kda_a_log_axis == "channel":     # one rate per key dimension: stored as it is, [K]
       out[a + "A_log"] = a_log
     else:                                 # per head: [128], zero past the heads
       out[a + "A_log"] = np.concatenate([a_log, np.zeros(128 - a_log.shape[0], np.float32)])
@@ -167,14 +167,14 @@ def k3_tensors(c: ModelConfig, variables: dict, text_prefix: str = "language_mod
   `{text_prefix}model.` (§12: 'language_model.' or ''), no MTP tensors (the release has none)
   unless `mtp`, then under the k3jax-only `k3jax_mtp.` prefix."""
   params, balance = variables["params"], variables.get("balance", {})
-  pre, groups, suf = c.stack_layout()
-  types = c.layer_types()
-  attn_res = c.attn_res_block_size is not None
+  pre, groups, suf = c.text.stack_layout()
+  types = c.text.layer_types()
+  attn_res = c.text.attn_res_block_size is not None
   out: dict[str, np.ndarray] = {}
   root = f"{text_prefix}model."
-  for i in range(c.num_layers):
-    if pre <= i < c.num_layers - suf:
-      g, j = divmod(i - pre, c.mla_every)
+  for i in range(c.text.num_layers):
+    if pre <= i < c.text.num_layers - suf:
+      g, j = divmod(i - pre, c.text.mla_every)
       take = lambda t: jax.tree.map(lambda x: x[g], t)  # noqa: E731
       lp, lb = take(params["body"][f"layers_{j}"]), take(balance.get("body", {}).get(f"layers_{j}", {}))
     else:
@@ -186,7 +186,7 @@ def k3_tensors(c: ModelConfig, variables: dict, text_prefix: str = "language_mod
     out[root + "output_attn_res_proj.weight"] = np.asarray(params["output_attn_res"]["proj"])[None]
     out[root + "output_attn_res_norm.weight"] = np.asarray(params["output_attn_res"]["norm"])
   out[f"{text_prefix}lm_head.weight"] = _lin(params["lm_head"]["kernel"])
-  if c.num_mtp_layers and mtp:
+  if c.text.num_mtp_layers and mtp:
     mp = "k3jax_mtp."
     out[mp + "enorm.weight"] = np.asarray(params["mtp"]["enorm"]["weight"])
     out[mp + "hnorm.weight"] = np.asarray(params["mtp"]["hnorm"]["weight"])

@@ -1,6 +1,6 @@
 """The K3 release's tensors as published: names, shapes and dtypes typed by hand.
 
-Sources: K3_SPEC.md §2 (which layers are MLA), §9 (the per-layer tensors), §11 (the vision
+Sources: docs/k3.md §2 (which layers are MLA), §9 (the per-layer tensors), §11 (the vision
 tower), §12 (the release as a whole: 497,220 entries, 1.561 TB, no MTP tensors, A_log F32
 [128]) and the public facts about the files quoted with them (per MoE layer
 `w1/w3.weight_packed` U8 3072×1792 + `weight_scale` U8 3072×112, `w2.weight_packed` U8

@@ -84,9 +84,9 @@ def test_check_only_warns_about_other_float_dtypes(layout, tmp_path):
   assert (f"warning: 2 float tensor(s) in another dtype than the release's table "
           f"(k3jax/convert/dtypes.py) — loaded and converted all the same:\n"
           f"  {M}layers.1.block_sparse_moe.gate.weight: float32, the release's table says "
-          f"bfloat16 (size evidence (K3_SPEC §12): 1.561 TB published; bf16 routers give "
+          f"bfloat16 (size evidence (docs/k3.md §12): 1.561 TB published; bf16 routers give "
           f"1.5609 TB, fp32 ones 1.5620 TB); loaded as float32\n"
-          f"  {M}layers.10.self_attn.A_log: float16, the release's table says float32 (K3_SPEC "
+          f"  {M}layers.10.self_attn.A_log: float16, the release's table says float32 (docs/k3.md "
           f"§9/§12 and public: A_log is F32 [128] (read from the first shard)); loaded as "
           f"float32") in lines
 

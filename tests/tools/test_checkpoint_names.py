@@ -1,5 +1,5 @@
 """tools/checkpoint_names: the names, shapes and dtypes export writes, from the config alone
-(497,220 entries for the k3 release, K3_SPEC.md §12)."""
+(497,220 entries for the k3 release, docs/k3.md §12)."""
 
 import json
 import pathlib

@@ -36,7 +36,7 @@ def k3(tmp_path_factory):
   MXFP4-representable) and their K3-layout checkpoint (with the MTP layer under k3jax_mtp.*,
   so that every leaf round-trips; the release layout without MTP: test_convert_release.py)."""
   config = preset("tiny", num_layers=7, mla_every=2, attn_res_block_size=3)
-  assert config.stack_layout() == (2, 2, 1)
+  assert config.text.stack_layout() == (2, 2, 1)
   variables = random_variables(config, seed=0)
   src = tmp_path_factory.mktemp("k3") / "src"
   tensors = write_k3_checkpoint(src, config, variables, mtp=True)
@@ -46,13 +46,13 @@ def k3(tmp_path_factory):
 def test_convert_is_exact_and_round_trips(k3, tmp_path):
   config, variables, src, tensors = k3
   dst = convert(src, tmp_path / "conv", arch="kimi_k3", dtype="float32",
-                kda_chunk_size=config.kda_chunk_size, **QUIET)
+                kda_chunk_size=config.modes.kda_chunk_size, **QUIET)
   got_config, got = load_pretrained(dst)
   assert got_config.replace(name=config.name) == config
   # every leaf bit-identical to the original (MXFP4-rounded) weights …
   _assert_trees_equal(jax.tree.map(np.asarray, got), variables)
   # … hence the same forward, exactly, in fp32
-  tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 24)))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.text.vocab_size, (2, 24)))
   fwd = jax.jit(K3Model(got_config).apply)
   logits = np.asarray(fwd(got, tokens))
   np.testing.assert_array_equal(logits, np.asarray(fwd(variables, tokens)))
@@ -88,7 +88,7 @@ def test_convert_is_exact_and_round_trips(k3, tmp_path):
   assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in Source(back16).infos
   assert not [n for n in Source(back16).infos if n.startswith(("language_model.", "k3jax_mtp."))]
   # (the converter reads MXFP4 K3 checkpoints; bf16 experts are K3 export's option only)
-  again = convert(back, tmp_path / "again", **QUIET, kda_chunk_size=config.kda_chunk_size)
+  again = convert(back, tmp_path / "again", **QUIET, kda_chunk_size=config.modes.kda_chunk_size)
   _assert_trees_equal(load_pretrained(again)[1], variables)
 
 
@@ -191,11 +191,11 @@ def test_ignored_config_key_is_reported(k3, tmp_path):
   (d / "config.json").write_text(json.dumps(cfg))
   lines = []
   dst = convert(d, tmp_path / "out", progress=False, log=lines.append,
-                kda_chunk_size=config.kda_chunk_size)
+                kda_chunk_size=config.modes.kda_chunk_size)
   assert [l for l in lines if "num_key_value_heads" in l] == [
       f"config.json: ignoring 'num_key_value_heads': 1 != num_attention_heads "
-      f"({config.num_heads}); MLA has one latent KV shared by all heads and no GQA, so the "
-      f"model has {config.num_heads} query/key/value heads"]
+      f"({config.text.num_heads}); MLA has one latent KV shared by all heads and no GQA, so the "
+      f"model has {config.text.num_heads} query/key/value heads"]
   got_config, got = load_pretrained(dst)
   assert got_config.replace(name=config.name) == config
   _assert_trees_equal(jax.tree.map(np.asarray, got), variables)
@@ -216,6 +216,6 @@ def test_torch_pickle_refused_unless_allowed(k3, tmp_path):
              d / "pytorch_model.bin")
   _expect_error(d, tmp_path, r"(?s)pickles can run code.*--allow_torch_pickle")
   dst = convert(d, tmp_path / "from_pickle", allow_torch_pickle=True,
-                kda_chunk_size=config.kda_chunk_size, **QUIET)
+                kda_chunk_size=config.modes.kda_chunk_size, **QUIET)
   _assert_trees_equal(load_pretrained(dst)[1], variables)
   assert os.path.isdir(dst)

@@ -10,7 +10,7 @@ Known differences between transformers 5.24 and our model, handled explicitly he
   reads those names as Moonshot's `mlp.*` (k3jax.convert.pipeline.normalize_names).
 - transformers' MLA latent norms (`q_a_layernorm`, `kv_a_layernorm`) use eps 1e-6 (the
   DeepSeek-V3 default; Moonshot's code does the same), not `rms_norm_eps`: our
-  `ModelConfig.mla_latent_norm_eps` (1e-6) matches it.
+  `ModelConfig.text.mla_latent_norm_eps` (1e-6) matches it.
 """
 
 import json
@@ -81,8 +81,8 @@ def test_logits_match_transformers(tmp_path, num_layers, full_attn, q_lora_rank)
   convert(src, dst, arch="auto", dtype="float32", progress=False, log=lambda s: None,
           kda_chunk_size=16)
   config, variables = load_pretrained(dst)
-  assert config.q_lora_rank == q_lora_rank and config.kda_lower_bound is None
-  assert config.num_layers == num_layers and not config.full_rank_gates
+  assert config.text.q_lora_rank == q_lora_rank and config.text.kda_lower_bound is None
+  assert config.text.num_layers == num_layers and not config.text.full_rank_gates
   out = np.asarray(jax.jit(K3Model(config).apply)(variables, jnp.asarray(tokens)))
   scale = np.abs(ref).max()
   assert scale > 1.0

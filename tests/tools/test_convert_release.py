@@ -1,4 +1,4 @@
-"""The release layout (K3_SPEC.md §12) both ways: `language_model.model.*` and bare `model.*`
+"""The release layout (docs/k3.md §12) both ways: `language_model.model.*` and bare `model.*`
 text names, no MTP tensors (a fresh MTP layer, reported), the nested config.json with its
 quantization_config (validated), A_log's two readings (--a_log: crop the zero padding, or one
 rate per key channel; auto stops with the values when the padding is not zero), unknown names
@@ -41,7 +41,7 @@ def tiny():
   """7 layers (2 unrolled, 2 scanned groups, 1 suffix), AttnRes, latent MoE, an MTP layer;
   random weights with MXFP4-representable experts."""
   config = preset("tiny", num_layers=7, mla_every=2, attn_res_block_size=3)
-  assert config.num_mtp_layers == 1
+  assert config.text.num_mtp_layers == 1
   return config, random_variables(config, seed=4)
 
 
@@ -73,7 +73,7 @@ def test_release_layout_round_trip_and_fresh_mtp(tiny, fresh, tmp_path, prefix):
   assert hf_config.check_quantization_config(json.loads((src / "config.json").read_text())) \
       == "mxfp4"
   lines, kw = _logs()
-  dst = convert(src, tmp_path / "conv", kda_chunk_size=config.kda_chunk_size, **kw)
+  dst = convert(src, tmp_path / "conv", kda_chunk_size=config.modes.kda_chunk_size, **kw)
   # reported on the terminal and in the output's metadata
   assert [l for l in lines if l.startswith("MTP:")] == [
       "MTP: the source has no MTP tensors; the config's MTP layer is initialised as "
@@ -114,13 +114,13 @@ def test_release_layout_round_trip_and_fresh_mtp(tiny, fresh, tmp_path, prefix):
   assert hf_config.check_quantization_config(cfg) == "mxfp4"
   # A_log read per head: zero padding found (auto), cropped, re-padded by export, and the
   # export converts back to the same leaves (import → export → import)
-  n_kda = sum(m == "kda" for m, _ in config.layer_types())
+  n_kda = sum(m == "kda" for m, _ in config.text.layer_types())
   assert meta["a_log"] == {"reading": "crop", "kda_a_log_axis": "head", "layers": n_kda,
                            "decided_by": "--a_log=auto: the entries past the 2 heads are zero "
                                          f"in all {n_kda} KDA layers"}
   assert "a_log_per_channel" not in cfg["text_config"]["linear_attn_config"]
   again = load_pretrained(convert(back, tmp_path / "again",
-                                  kda_chunk_size=config.kda_chunk_size, **_logs()[1]))[1]
+                                  kda_chunk_size=config.modes.kda_chunk_size, **_logs()[1]))[1]
   again_rest = _split_mtp(jax.tree.map(np.asarray, again))[0]
   for k in rest:
     np.testing.assert_array_equal(again_rest[k], rest[k], err_msg="/".join(k))
@@ -139,7 +139,7 @@ def test_export_default_spelling_and_mtp_flag(tiny, tmp_path):
   # a written MTP layer converts back exactly (no fresh one)
   lines, kw = _logs()
   _, got = load_pretrained(convert(with_mtp, tmp_path / "again",
-                                   kda_chunk_size=config.kda_chunk_size, **kw))
+                                   kda_chunk_size=config.modes.kda_chunk_size, **kw))
   assert not [l for l in lines if l.startswith("MTP:")]
   for k, v in dict(flat(variables)).items():
     np.testing.assert_array_equal(dict(flat(jax.tree.map(np.asarray, got)))[k], v,
@@ -224,17 +224,17 @@ def test_a_log_auto_stops_with_the_values_and_both_flags(tiny_channel, tmp_path)
 
 
 def test_a_log_per_channel_round_trips(tiny_channel, tmp_path):
-  """--a_log=channel: A_log [K] kept whole (ModelConfig.kda_a_log_axis="channel", recorded in
+  """--a_log=channel: A_log [K] kept whole (ModelConfig.text.kda_a_log_axis="channel", recorded in
   the checkpoint's config and conversion.json); export writes the same bytes and
   config.json's `a_log_per_channel`, so the export converts back (auto) to the same leaves;
   a flag contradicting that key is refused."""
   config, variables = tiny_channel
   d, tensors = _release_channel(tiny_channel, tmp_path)
   lines, kw = _logs()
-  dst = convert(d, tmp_path / "conv", a_log="channel", kda_chunk_size=config.kda_chunk_size, **kw)
+  dst = convert(d, tmp_path / "conv", a_log="channel", kda_chunk_size=config.modes.kda_chunk_size, **kw)
   assert "A_log: read as channel (--a_log=channel)" in lines
   got_config, got = load_pretrained(dst)
-  assert got_config.kda_a_log_axis == "channel"
+  assert got_config.text.kda_a_log_axis == "channel"
   assert json.loads((dst / "conversion.json").read_text())["a_log"] == {
       "reading": "channel", "kda_a_log_axis": "channel", "decided_by": "--a_log=channel",
       "layers": 3}
@@ -252,7 +252,7 @@ def test_a_log_per_channel_round_trips(tiny_channel, tmp_path):
   cfg = json.loads((back / "config.json").read_text())
   assert cfg["text_config"]["linear_attn_config"]["a_log_per_channel"] is True
   lines, kw = _logs()
-  again = convert(back, tmp_path / "again", kda_chunk_size=config.kda_chunk_size, **kw)
+  again = convert(back, tmp_path / "again", kda_chunk_size=config.modes.kda_chunk_size, **kw)
   assert "A_log: read as channel (config.json: linear_attn_config.a_log_per_channel)" in lines
   again_rest = _split_mtp(jax.tree.map(np.asarray, load_pretrained(again)[1]))[0]
   for k in rest:
@@ -275,7 +275,7 @@ def test_a_log_crop_drops_nonzero_padding_only_when_asked(tiny, tmp_path):
                 r"layers\).*--a_log=channel  not possible here: it needs 16 entries "
                 r"\(kda_head_dim\), found 128\n")
   lines, kw = _logs()
-  dst = convert(d, tmp_path / "crop", a_log="crop", kda_chunk_size=tiny[0].kda_chunk_size, **kw)
+  dst = convert(d, tmp_path / "crop", a_log="crop", kda_chunk_size=tiny[0].modes.kda_chunk_size, **kw)
   assert ("A_log: read as crop (--a_log=crop); dropped 2 non-zero entries past the heads in 1 "
           "layer(s), max |value| 1.5") in lines
   assert json.loads((dst / "conversion.json").read_text())["a_log"] == {
@@ -306,7 +306,7 @@ def test_float_tensors_load_in_any_float_dtype(tiny, tmp_path):
     src.update(t)
   d = _release(tiny, tmp_path, edit)
   lines, kw = _logs()
-  dst = convert(d, tmp_path / "conv", kda_chunk_size=config.kda_chunk_size, **kw)
+  dst = convert(d, tmp_path / "conv", kda_chunk_size=config.modes.kda_chunk_size, **kw)
   meta = json.loads((dst / "conversion.json").read_text())
   assert meta["dtype_conversions"] == {
       "bfloat16 -> float32": [a + "A_log", a + "q_conv1d.weight",
@@ -316,11 +316,11 @@ def test_float_tensors_load_in_any_float_dtype(tiny, tmp_path):
           "float32 ×3, float16 -> float32 ×2); each listed in conversion.json") in lines
   warned = meta["dtype_warnings"]
   for line in (
-      f"{a}A_log: bfloat16, the release's table says float32 (K3_SPEC §9/§12 and public: A_log "
+      f"{a}A_log: bfloat16, the release's table says float32 (docs/k3.md §9/§12 and public: A_log "
       "is F32 [128] (read from the first shard)); loaded as float32",
-      f"{a}dt_bias: float16, the release's table says float32 (K3_SPEC §9: dt_bias fp32); "
+      f"{a}dt_bias: float16, the release's table says float32 (docs/k3.md §9: dt_bias fp32); "
       "loaded as float32",
-      f"{r}weight: float32, the release's table says bfloat16 (size evidence (K3_SPEC §12): "
+      f"{r}weight: float32, the release's table says bfloat16 (size evidence (docs/k3.md §12): "
       "1.561 TB published; bf16 routers give 1.5609 TB, fp32 ones 1.5620 TB); loaded as float32"):
     assert line in warned
   assert any(w.startswith(a + "q_conv1d.weight: bfloat16, the release's table says float32")
@@ -418,22 +418,22 @@ def test_packed_experts_stay_packed(tiny, tmp_path):
   d = _release(tiny, tmp_path)
   source = Source(d)
   assert any(p[-1] == mx.PACKED for p in N.model_paths(config.replace(expert_format="mxfp4")))
-  dst = convert(d, tmp_path / "packed", kda_chunk_size=config.kda_chunk_size,
+  dst = convert(d, tmp_path / "packed", kda_chunk_size=config.modes.kda_chunk_size,
                 expert_format="mxfp4", progress=False, log=lambda s: None)
   got_config, got = load_pretrained(dst)
-  assert got_config.expert_format == "mxfp4"
+  assert got_config.modes.expert_format == "mxfp4"
   w1 = got["params"]["layers_1"]["block_sparse_moe"]["experts"]["w1"]
   m = "language_model.model.layers.1.block_sparse_moe.experts."
   want = mx.stack_release_experts(
-      [source.get(f"{m}{e}.w1.weight_packed") for e in range(config.num_experts)],
-      [source.get(f"{m}{e}.w1.weight_scale") for e in range(config.num_experts)])
+      [source.get(f"{m}{e}.w1.weight_packed") for e in range(config.text.num_experts)],
+      [source.get(f"{m}{e}.w1.weight_scale") for e in range(config.text.num_experts)])
   for leaf, ref in zip((w1[mx.PACKED], w1[mx.SCALE]), want):
     assert np.asarray(leaf).dtype == np.uint8
     np.testing.assert_array_equal(np.asarray(leaf), ref)
   # scanned body: [groups, E, out, in/2]
   body = got["params"]["body"]["layers_0"]["block_sparse_moe"]["experts"]["w2"][mx.PACKED]
-  assert body.shape == (2, config.num_experts, config.latent_moe_dim,
-                        config.moe_intermediate_size // 2)
+  assert body.shape == (2, config.text.num_experts, config.text.latent_moe_dim,
+                        config.text.moe_intermediate_size // 2)
   back = export(None, tmp_path / "back", loaded=(got_config, jax.tree.map(np.asarray, got)),
                 dtype="float32", text_prefix="language_model.", progress=False,
                 log=lambda s: None)

@@ -1,4 +1,4 @@
-"""Vision tower + projector conversion (spec §11): `--only vision` for K3's release names
+"""Vision tower + projector conversion (docs/k3.md §11): `--only vision` for K3's release names
 (moonvit_v2) and Kimi K2.5's spellings (moonvit_k25: original release, transformers'
 save_pretrained, transformers' split q/k/v module names), bit-exact round trips, the full
 text + vision conversion of a K3-layout checkpoint, and every bad-input error."""
@@ -208,7 +208,7 @@ def test_full_k3_checkpoint_converts_text_and_vision(tmp_path):
   tensors = write_k3_checkpoint(src, config, variables, mtp=True)
   assert sum(n.startswith(("vision_tower.", "mm_projector.")) for n in tensors) == (
       6 * config.vision.num_layers + 6)
-  dst = convert(src, tmp_path / "conv", arch="kimi_k3", kda_chunk_size=config.kda_chunk_size,
+  dst = convert(src, tmp_path / "conv", arch="kimi_k3", kda_chunk_size=config.modes.kda_chunk_size,
                 **QUIET)
   got_config, got = load_pretrained(dst)
   assert _arch(got_config.vision) == _arch(config.vision)

@@ -41,14 +41,14 @@ def test_train_lora_merge_and_export(tmp_path):
   run.data.source = str(text)
   trainer.train(run_config(run), str(tmp_path / "run"), recipe=L.RECIPE)
   config, adapters = L.load_adapters(tmp_path / "run" / "adapters")
-  assert config.lora_rank == 2 and set(config.lora_targets) == {"q", "o", "experts"}
+  assert config.modes.lora_rank == 2 and set(config.modes.lora_targets) == {"q", "o", "experts"}
   assert any(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(adapters))   # trained
   log = _run("tools.merge_lora", f"--base={tmp_path / 'base'}",
              f"--adapters={tmp_path / 'run' / 'adapters'}", f"--dst={tmp_path / 'merged'}",
              f"--export_dir={tmp_path / 'export'}", "--expert_format=bf16", "--dtype=float32")
   assert "exported" in log
   merged_config, merged = load_pretrained(tmp_path / "merged")
-  assert merged_config.lora_rank == 0
+  assert merged_config.modes.lora_rank == 0
   base = dict(flat(load_pretrained(tmp_path / "base")[1]))
   changed = {"/".join(k) for k, v in flat(merged) if not np.array_equal(v, base[k])}
   assert changed and not [k for k in changed if "embed" in k or "lm_head" in k], changed

@@ -1,4 +1,4 @@
-"""tools/param_count: spec §1 figures for k3, and a hand count for tiny."""
+"""tools/param_count: docs/k3.md §1 figures for k3, and a hand count for tiny."""
 
 import json
 import subprocess
@@ -26,24 +26,24 @@ def test_k3_matches_table_1():
 
 
 def _hand_count_tiny(cfg):
-  d, v, L = cfg.d_model, cfg.vocab_size, cfg.num_layers
-  h, k, r, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_gate_rank, cfg.kda_conv_size
+  d, v, L = cfg.text.d_model, cfg.text.vocab_size, cfg.text.num_layers
+  h, k, r, w = cfg.text.kda_num_heads, cfg.text.kda_head_dim, cfg.text.kda_gate_rank, cfg.text.kda_conv_size
   kda = (3 * d * h * k + 3 * w * h * k + d * r + r * h * k + d * h + d * h * k + h + h * k
          + h * k * d)  # + o_norm (k) counted as a norm
-  mh, q, kv = cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-  mla = (d * q + q * mh * cfg.qk_head_dim + d * (kv + cfg.qk_rope_head_dim)
-         + kv * mh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + d * mh * cfg.v_head_dim
-         + mh * cfg.v_head_dim * d)
-  e, f, ell = cfg.num_experts, cfg.moe_intermediate_size, cfg.latent_moe_dim
-  moe_layers = L - cfg.first_dense_layers
-  n_mla = sum(cfg.is_mla(i) for i in range(L))
+  mh, q, kv = cfg.text.num_heads, cfg.text.q_lora_rank, cfg.text.kv_lora_rank
+  mla = (d * q + q * mh * cfg.text.qk_head_dim + d * (kv + cfg.text.qk_rope_head_dim)
+         + kv * mh * (cfg.text.qk_nope_head_dim + cfg.text.v_head_dim) + d * mh * cfg.text.v_head_dim
+         + mh * cfg.text.v_head_dim * d)
+  e, f, ell = cfg.text.num_experts, cfg.text.moe_intermediate_size, cfg.text.latent_moe_dim
+  moe_layers = L - cfg.text.first_dense_layers
+  n_mla = sum(cfg.text.is_mla(i) for i in range(L))
   return {
       "kda": (L - n_mla) * kda, "mla": n_mla * mla,
       "routed_experts": moe_layers * e * 3 * ell * f,
       "latent_projections": moe_layers * 2 * d * ell,
       "router": moe_layers * d * e,
-      "shared_experts": moe_layers * 3 * d * cfg.shared_intermediate_size,
-      "dense_mlp": cfg.first_dense_layers * 3 * d * cfg.dense_intermediate_size,
+      "shared_experts": moe_layers * 3 * d * cfg.text.shared_intermediate_size,
+      "dense_mlp": cfg.text.first_dense_layers * 3 * d * cfg.text.dense_intermediate_size,
       "attn_res": (2 * L + 1) * 2 * d,
       "embedding": v * d, "lm_head": v * d,
       "norms": (2 * L + 1) * d + (L - n_mla) * k + n_mla * (q + kv) + moe_layers * ell,
@@ -56,7 +56,7 @@ def test_tiny_components_match_hand_count():
   hand = _hand_count_tiny(cfg)
   for name, n in hand.items():
     assert c["components"][name]["total"] == n, name
-  frac = cfg.experts_per_token / cfg.num_experts
+  frac = cfg.text.experts_per_token / cfg.text.num_experts
   assert c["activated"] == sum(hand.values()) - hand["embedding"] - round(
       hand["routed_experts"] * (1 - frac))
 
@@ -65,9 +65,9 @@ def test_per_channel_a_log_counts_k_rates_per_kda_layer():
   """kda_a_log_axis="channel": each KDA layer's A_log has K entries instead of H, still
   counted as KDA (the layer is told from its A_log, whatever its shape)."""
   head, channel = preset("tiny"), preset("tiny", kda_a_log_axis="channel")
-  n_kda = sum(not head.is_mla(i) for i in range(head.num_layers))
+  n_kda = sum(not head.text.is_mla(i) for i in range(head.text.num_layers))
   a, b = count_params(head)["components"], count_params(channel)["components"]
-  assert b["kda"]["total"] - a["kda"]["total"] == n_kda * (head.kda_head_dim - head.kda_num_heads)
+  assert b["kda"]["total"] - a["kda"]["total"] == n_kda * (head.text.kda_head_dim - head.text.kda_num_heads)
   assert b["mla"] == a["mla"] and b["kda"]["activated"] == b["kda"]["total"]
 
 
@@ -96,7 +96,7 @@ def test_k3_vision_counted_separately():
   tower = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["vision_tower"]))
   projector = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["mm_projector"]))
   assert projector == 4096 * 4096 + 4096 * 7168 + 7168  # proj_0, proj_2, post_norm (no biases)
-  assert abs(tower / 401e6 - 1) < 0.01, tower  # spec §11: MoonViT-V2 401M
+  assert abs(tower / 401e6 - 1) < 0.01, tower  # docs/k3.md §11: MoonViT-V2 401M
 
   data = _cli("--preset", "k3")
   assert data["vision"] == {"preset": "moonvit_v2", "tower": tower, "projector": projector,

@@ -1,5 +1,5 @@
 """k3jax's tensor map held to the release as published (tests/tools/release_facts.py, typed by
-hand from K3_SPEC.md §9/§11/§12 and the public facts): every name, shape and dtype that export
+hand from docs/k3.md §9/§11/§12 and the public facts): every name, shape and dtype that export
 writes for the k3 preset (`tools.checkpoint_names.names_for`), the entry count and the size.
 `--check_only` against the same facts: test_check_only.py."""
 

@@ -163,7 +163,7 @@ def _mla_setup(scale_q: float):
   from k3jax.layers.mla import MLA
   cfg = preset("tiny", num_heads=3)
   layer = MLA(cfg)
-  x = jax.random.normal(jax.random.PRNGKey(6), (2, 12, cfg.d_model))
+  x = jax.random.normal(jax.random.PRNGKey(6), (2, 12, cfg.text.d_model))
   params = jax.tree.map(lambda a: a, __import__("flax").linen.unbox(
       layer.init(jax.random.PRNGKey(7), x)["params"]))
   # Blow up head 0 and 2 (not 1) so their logits exceed τ.
@@ -187,14 +187,14 @@ def test_qk_clip_brings_max_logit_to_tau():
   assert before[0] > tau and before[2] > tau and before[1] < tau, before
   clipped = optim.qk_clip({"layers_3": {"self_attn": params}},
                           {"layers_3/self_attn": jnp.asarray(before)}, tau,
-                          cfg.qk_nope_head_dim)["layers_3"]["self_attn"]
+                          cfg.text.qk_nope_head_dim)["layers_3"]["self_attn"]
   after = max_logit(clipped)
   np.testing.assert_allclose(after[[0, 2]], tau, rtol=1e-4)   # every logit scaled by exactly γ
   assert after[1] == pytest.approx(before[1], rel=1e-6)        # head under τ untouched
   # The shared key part (kv_a_proj_with_mqa) and values are never clipped.
   np.testing.assert_array_equal(clipped["kv_a_proj_with_mqa"]["kernel"],
                                 params["kv_a_proj_with_mqa"]["kernel"])
-  nope = cfg.qk_nope_head_dim
+  nope = cfg.text.qk_nope_head_dim
   np.testing.assert_array_equal(clipped["kv_b_proj"]["kernel"][..., nope:],
                                 params["kv_b_proj"]["kernel"][..., nope:])
   # Nope parts scaled by √γ, rope part of q by γ.
@@ -260,7 +260,7 @@ def _moe_params(expert_format):
   import flax.linen as nn
   from k3jax.layers.moe import StableLatentMoE
   cfg = preset("tiny", expert_format=expert_format)
-  x = jax.random.normal(jax.random.PRNGKey(3), (2, 4, cfg.d_model))
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 4, cfg.text.d_model))
   v = nn.unbox(StableLatentMoE(cfg).init(jax.random.PRNGKey(0), x))
   loss = lambda p: jnp.sum(StableLatentMoE(cfg).apply({**v, "params": p}, x) ** 2)
   return v, loss

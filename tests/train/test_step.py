@@ -23,7 +23,7 @@ def create_state(config, rng, tx):
 def make_train_step(config, tx, grad_accum=1):
   """Pre-training's step: the language-model loss, QK-Clip at τ = 100."""
   return make_step(lm_loss(config), tx, grad_accum=grad_accum,
-                   qk_clip=(100.0, config.qk_nope_head_dim))
+                   qk_clip=(100.0, config.text.qk_nope_head_dim))
 
 
 def _batch(b=4, t=16, seed=0):

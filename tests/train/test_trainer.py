@@ -67,10 +67,10 @@ def test_load_pretrained_gives_logits(straight):
   from k3jax.model import K3Model
   d, _ = straight
   config, variables = k3jax.load_pretrained(d)
-  assert config.num_layers == 4 and config.name == "tiny"
+  assert config.text.num_layers == 4 and config.name == "tiny"
   tokens = tokenizers.ByteTokenizer().encode("def f(x):\n  return x\n", bos=True)[None, :]
   logits = jax.jit(K3Model(config).apply)(variables, tokens)
-  assert logits.shape == (1, tokens.shape[1], config.vocab_size)
+  assert logits.shape == (1, tokens.shape[1], config.text.vocab_size)
   assert np.all(np.isfinite(np.asarray(logits)))
 
 

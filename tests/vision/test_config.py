@@ -1,4 +1,4 @@
-"""VisionConfig ⇄ a checkpoint's `vision_config` (spec §11)."""
+"""VisionConfig ⇄ a checkpoint's `vision_config` (docs/k3.md §11)."""
 
 import pytest
 

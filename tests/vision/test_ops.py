@@ -1,4 +1,4 @@
-"""k3jax.vision.ops against slow, obviously correct references (spec §11)."""
+"""k3jax.vision.ops against slow, obviously correct references (docs/k3.md §11)."""
 
 import itertools
 

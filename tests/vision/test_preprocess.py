@@ -1,4 +1,4 @@
-"""Image/video preprocessing → (pixel_values, grid_thw) (spec §11; k3jax/vision/preprocess.py)."""
+"""Image/video preprocessing → (pixel_values, grid_thw) (docs/k3.md §11; k3jax/vision/preprocess.py)."""
 
 import ast
 import io

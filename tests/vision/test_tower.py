@@ -1,5 +1,5 @@
 """The vision tower, merger and projector: `encode` against a slow per-sample reference built
-from the same ops, packing/padding invariance, presets and bad-input errors (spec §11)."""
+from the same ops, packing/padding invariance, presets and bad-input errors (docs/k3.md §11)."""
 
 import jax
 import jax.numpy as jnp

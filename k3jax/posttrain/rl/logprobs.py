@@ -60,8 +60,8 @@ def token_logprobs(config: ModelConfig, variables, seqs, prompt_lens, resp_width
   if (prompt_lens < 1).any() or (prompt_lens + resp_width > seqs.shape[1]).any():
     raise ValueError(f"prompt_lens: need 1 <= P and P + resp_width ({resp_width}) <= W "
                      f"({seqs.shape[1]}), found {prompt_lens.tolist()}")
-  if seqs.min() < 0 or seqs.max() >= config.vocab_size:
-    raise ValueError(f"seqs: token ids must be in [0, vocab_size={config.vocab_size})")
+  if seqs.min() < 0 or seqs.max() >= config.text.vocab_size:
+    raise ValueError(f"seqs: token ids must be in [0, vocab_size={config.text.vocab_size})")
   variables = {k: v for k, v in dict(variables).items() if k in ("params", "balance")}
   return np.asarray(_jitted(config, int(resp_width), float(temperature))(
       variables, jnp.asarray(seqs), jnp.asarray(prompt_lens)))

@@ -149,7 +149,7 @@ def tau_schedule(r: RLRun) -> TauSchedule:
 
 def policy_config(rl: RolloutConfig, config: ModelConfig) -> ModelConfig:
   """The policy's model config for RL: `config`, with `rl.expert_qat` (when set) turning on
-  QAT of the routed experts (spec §13: QAT from SFT through RL). Rollouts, b₀, the trainer's
+  QAT of the routed experts (docs/k3.md §13: QAT from SFT through RL). Rollouts, b₀, the trainer's
   log-probs and the update all run this one config, so the same quantiser samples the tokens
   and scores them (the mismatch metric covers it)."""
   mode = rl.expert_qat

@@ -1,4 +1,4 @@
-"""The policy-gradient loss over task and MOPD rewards (spec §13).
+"""The policy-gradient loss over task and MOPD rewards (docs/k3.md §13).
 
 Per prompt, K completions with final rewards R_1..R_K (task reward after the effort budget)
 get the group baseline (GRPO):

@@ -1,4 +1,4 @@
-"""Partial rollouts (spec §13): N prompts × K completions stay active; a round of generation
+"""Partial rollouts (docs/k3.md §13): N prompts × K completions stay active; a round of generation
 pauses once ⌈λ·(active trajectories)⌉ of them have finished; the unfinished ones are queued
 and resumed first in the next round, their prefix (prompt + response so far) recomputed by
 prefill under the then-current policy, after which they continue the same token list.

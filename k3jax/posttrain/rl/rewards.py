@@ -1,4 +1,4 @@
-"""Rewards of the RL stage (spec §13): the verifiable task reward, the effort budget and the
+"""Rewards of the RL stage (docs/k3.md §13): the verifiable task reward, the effort budget and the
 MOPD per-token reward from the teacher of the prompt's (domain, effort).
 
 Task reward: 1 when the response's answer is exact (k3jax/data/rl_tasks.py), else 0.
@@ -87,8 +87,8 @@ class Teachers:
   def __init__(self, teachers: Mapping[tuple[str, str], tuple[ModelConfig, dict]],
                vocab_size: int):
     for key, (cfg, _) in teachers.items():
-      if cfg.vocab_size != vocab_size:
-        raise ValueError(f"teacher {key}: vocab_size {cfg.vocab_size} differs from the "
+      if cfg.text.vocab_size != vocab_size:
+        raise ValueError(f"teacher {key}: vocab_size {cfg.text.vocab_size} differs from the "
                          f"policy's {vocab_size} (the tokens must mean the same)")
     self.teachers = dict(teachers)
 

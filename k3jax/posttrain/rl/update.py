@@ -53,7 +53,7 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformationExtraArgs,
   `sharding.axis_rules()`) as in pre-training, the batch split over the batch axes, the
   gradients pinned to the params' shardings."""
   return jit_step(rl_loss(config, loss_cfg, temperature), tx, PRETRAIN, config, mesh,
-                  qk_clip=(qk_clip_tau, config.qk_nope_head_dim),
+                  qk_clip=(qk_clip_tau, config.text.qk_nope_head_dim),
                   rules=sharding.axis_rules() if rules is None else rules)
 
 

@@ -26,7 +26,7 @@ def test_one_round(tmp_path):
   tv = jax.tree.map(np.array, v)
   tv["params"]["lm_head"]["kernel"] = tv["params"]["lm_head"]["kernel"] * 3.0
   teachers = Teachers({(d, e): (config, tv) for d in c.rl.domains for e in c.rl.efforts},
-                      config.vocab_size)
+                      config.text.vocab_size)
   history, state = loop.run(r, config, v, teachers=teachers, out_dir=tmp_path, log=None)
   (m,) = history
   assert m["groups"] == 2 and m["trained"] == 4 and m["queued"] == 0

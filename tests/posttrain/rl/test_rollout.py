@@ -48,7 +48,7 @@ def test_qat_rollout_logprobs_equal_trainer_logprobs():
   policy config), so their log-probs agree as without QAT — and differ from the unquantised
   model's."""
   qconfig = loop.policy_config(loop.RolloutConfig(expert_qat="mxfp4_mxfp8"), CONFIG)
-  assert qconfig.expert_qat == "mxfp4_mxfp8" and loop.policy_config(
+  assert qconfig.modes.expert_qat == "mxfp4_mxfp8" and loop.policy_config(
       loop.RolloutConfig(expert_qat=None), CONFIG) == CONFIG
   prompts = [t.tokens for t in TaskSampler(seed=3).sample(N * K)]
   out = R.sample(qconfig, _variables(), prompts, [MAX_NEW] * (N * K), width=WIDTH,
