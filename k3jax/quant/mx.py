@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 BLOCK = 32          # values per shared scale
@@ -37,10 +39,9 @@ E4M3 = _Fmt("e4m3", 4, 3, 7, 448.0, 8)
 
 
 def _xp(x):
-  """numpy for numpy inputs, jax.numpy otherwise (jax is imported lazily)."""
+  """numpy for numpy inputs, jax.numpy otherwise."""
   if isinstance(x, np.ndarray) or np.isscalar(x):
     return np
-  import jax.numpy as jnp
   return jnp
 
 
@@ -258,8 +259,6 @@ def mxfp4_unpack_fast(packed, scales, dtype):
   only with scale bytes 0 and 1, blocks whose largest magnitude is under 2^−124 — decode to
   ±0 here (a weight that small is zero in any bf16/fp32 matmul on those backends too).
   packed uint8 [..., n/2], scales uint8 [..., n/32] → [..., n] of `dtype`."""
-  import jax
-  import jax.numpy as jnp
   codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.uint32)   # [..., n/2, 2]
   sign = (codes >> 3) << 31
   e = (codes >> 1) & 3
@@ -349,7 +348,7 @@ def _map_experts(tree, fn):
 def _unboxed(tree):
   """Plain arrays for a tree that may hold flax LogicallyPartitioned boxes (model.init)."""
   try:
-    from flax.core import meta
+    from flax.core import meta  # optional: the numpy codec needs no flax
   except ImportError:   # numpy-only users (the converter) never pass boxes
     return tree
   return meta.unbox(tree)
