@@ -18,6 +18,7 @@ because no weight depends on them, are listed by `ignored_keys` (the converter p
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from k3jax.config import ModelConfig, model_config_from_flat
@@ -299,7 +300,6 @@ def _ignore_matches(entry: str, module: str) -> bool:
   """compressed-tensors' rule: 're:PATTERN' matches by regex from the start, a plain entry is a
   module name (here also matched as a dotted suffix, so 'lm_head' covers
   'language_model.lm_head')."""
-  import re
   if entry.startswith("re:"):
     return re.match(entry[3:], module) is not None
   return module == entry or module.endswith("." + entry)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -390,7 +391,6 @@ def initialize_distributed(coordinator_address: str | None = None,
 
   CPU processes exchange data through gloo (XLA:CPU's cross-process collectives).
   """
-  import os  # noqa: PLC0415
   env = os.environ
   coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
   if num_processes is None and env.get("JAX_NUM_PROCESSES"):

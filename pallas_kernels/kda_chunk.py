@@ -82,6 +82,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 _SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None on older jax)
 # Sizes on the Triton (GPU) target, where every kernel must fit an sm_90 block's registers
@@ -664,11 +666,9 @@ GPU_NUM_WARPS = 8   # every KDA kernel on the Triton target (docs/results/sm90_k
 def _compiler_params(target, sequential=False):
   """sequential: a grid whose last axis carries the state (the TPU "grid" form)."""
   if target == "tpu":
-    from jax.experimental.pallas import tpu as pltpu
     sem = ("parallel", "parallel") + (("arbitrary",) if sequential else ())
     return pltpu.CompilerParams(dimension_semantics=sem)
   if target == "gpu":
-    from jax.experimental.pallas import triton as pltriton
     return pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=1)
   return None
 
@@ -806,7 +806,6 @@ def _state_call(kernel_grid, kernel_loop, lay, nv, bv, dk, out_shape, in_specs, 
     kernel = functools.partial(kernel_loop, chunk=lay.chunk, num_chunks=lay.nc)
     grid, scratch = (bh, nv), ()
   else:
-    from jax.experimental.pallas import tpu as pltpu
     kernel, grid = kernel_grid, (bh, nv, lay.nc)
     scratch = (pltpu.VMEM((dk, bv), jnp.float32),)
   params = None if interpret else _compiler_params(target, lay.launch == "grid")

@@ -60,6 +60,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from k3jax.ops import moe as moe_ops
 
@@ -114,7 +115,6 @@ def _compiler_params(interpret: bool):
   elsewhere (TPU: Mosaic defaults; interpret mode: unused)."""
   if not _on_gpu(interpret):
     return None
-  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
   return pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
 
 

@@ -33,10 +33,15 @@ import functools
 import math
 import re
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import DENSE, KDA, MLA, MOE, ModelConfig
+from k3jax.convert import vision_names as vnames
 from k3jax.convert.dtypes import export_dtype
+from k3jax.model import K3Model
 from k3jax.quant import mx
 
 # K3 stores A_log with 128 entries for 96 heads (§12): read per head, the first 96 (the rest
@@ -345,7 +350,6 @@ def _split_packed(leaf: Leaf) -> tuple[Leaf, Leaf]:
 def vision_leaves(vc) -> list[Leaf]:
   """One leaf per released vision tensor of VisionConfig `vc` (168 for MoonViT-V2), in release
   order. Stored in the conversion's dtype like the text matmuls (the release's are all bf16)."""
-  from k3jax.convert import vision_names as vnames
   kinds = {"linear": "linear", "qkv": "linear", "wo": "linear", "conv": "patch_conv",
            "copy": "copy"}
   out = []
@@ -376,10 +380,6 @@ def check_paths(leaves_: list[Leaf], paths: dict[tuple[str, ...], tuple[int, ...
 @functools.lru_cache(maxsize=8)
 def model_paths(c: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
   """(collection, *path) → shape of every variable of K3Model(c), from jax.eval_shape."""
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-  from k3jax.model import K3Model
   tree = jax.eval_shape(lambda: K3Model(c).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
   tree = nn.unbox(tree)
   out = {}

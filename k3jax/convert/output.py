@@ -10,13 +10,13 @@ import shutil
 
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 STORE = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
   """A tqdm bar in bytes (disabled: a silent one with the same interface)."""
-  from tqdm import tqdm
   return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
               disable=not enabled, dynamic_ncols=True)
 

@@ -31,15 +31,22 @@ import shutil
 import threading
 from typing import Callable
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax import hf_config
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, config_to_dict
 from k3jax.convert import names as N
 from k3jax.convert import streaming
+from k3jax.convert import vision as cv
+from k3jax.convert.checkpoint import load_pretrained
 from k3jax.convert.dtypes import release_dtype, release_rule
 from k3jax.convert.output import STORE, check_dst, progress_bar, staged_dir
 from k3jax.convert.safetensors_io import ShardedWriter, Source, read_config
+from k3jax.convert.vision import ARCHS, convert_vision
+from k3jax.model import K3Model
 
 
 
@@ -186,11 +193,6 @@ def fresh_mtp(config: ModelConfig, seed: int = 0) -> dict:
   The whole init is traced but only the MTP subtree is returned from the jitted function, so
   XLA computes (and allocates) nothing else: the rest of the model is dead code.
   """
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-  from k3jax.model import K3Model
-
   def init(key):
     v = nn.unbox(K3Model(config).init(key, jnp.zeros((1, 2), jnp.int32)))
     return {c: v[c]["mtp"] for c in ("params", "balance") if c in v and "mtp" in v[c]}
@@ -347,7 +349,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
   the same source and settings skips the leaves it completed. A data error (ValueError)
   removes it: nothing is left behind.
   """
-  from k3jax.config import config_to_dict
   src = pathlib.Path(src)
   if only not in ONLY:
     raise ValueError(f"--only: expected one of {list(ONLY)}, found {only!r}")
@@ -366,7 +367,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None, arch: str = "
     check_dst(dst)
   d = read_config(src)
   if only == "vision" or arch == "kimi_k25":
-    from k3jax.convert.vision import ARCHS, convert_vision
     if only != "vision":
       raise ValueError("--arch kimi_k25: only the vision tower converts (pass --only vision); "
                        "the K2.5 text model (DeepSeek-V3 layout) is not a k3jax model")
@@ -551,11 +551,9 @@ def export(src: str | os.PathLike, dst: str | os.PathLike, arch: str | None = No
   if dtype not in STORE:
     raise ValueError(f"--dtype: expected one of {sorted(STORE)}, found {dtype!r}")
   check_dst(dst)
-  from k3jax.convert import vision as cv
   if loaded is None and src is not None and (src / cv.CONFIG_FILE).exists():
     return cv.export_vision(src, dst, dtype=dtype, progress=progress)
   if loaded is None:
-    from k3jax.convert.checkpoint import load_pretrained
     loaded = load_pretrained(src)
   config, variables = loaded
   if only == "vision":

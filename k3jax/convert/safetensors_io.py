@@ -91,7 +91,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
 
 
 def _torch_to_numpy(t) -> np.ndarray:
-  import torch
+  import torch  # optional: a test extra; only PyTorch pickles (.bin/.pt) need it
   t = t.detach().cpu().contiguous()
   if t.dtype == torch.bfloat16:
     return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -159,7 +159,7 @@ class Source:
         self._torch_cache = (p, sd)
 
   def _load_pickle(self, p: pathlib.Path) -> dict:
-    import torch
+    import torch  # optional: a test extra; only PyTorch pickles (.bin/.pt) need it
     sd = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(sd, dict):
       raise ValueError(f"{p}: expected a state dict, found {type(sd).__name__}")

@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -40,8 +41,13 @@ import traceback
 from typing import Callable
 
 import numpy as np
+import tensorstore as ts
+from orbax.checkpoint import type_handlers as th
+from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
 from k3jax.convert import names as N
+from k3jax.convert.checkpoint import save_pretrained
+from k3jax.convert.safetensors_io import Source
 
 PLAN_VERSION = 1
 CHUNK_MAX_BYTES = 64 << 20     # zarr chunks at most this big: a host reads only what it holds
@@ -168,8 +174,6 @@ class PartJob:
 def _ts_context():
   """orbax's tensorstore context for OCDBT, without an fsync per commit: a part's files are
   synced together (`_sync_tree`) before its leaves are recorded as done."""
-  import tensorstore as ts
-  from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
   spec = tsu.get_ts_context(use_ocdbt=True).spec.to_json()
   spec["file_io_sync"] = False
   return ts.Context(ts.Context.Spec(spec))
@@ -198,7 +202,6 @@ def _sync_tree(root: pathlib.Path) -> None:
 def _write_spec(db_parent: pathlib.Path, part: int, leaf: N.Leaf, store: np.dtype) -> dict:
   """The tensorstore spec orbax would write this leaf with (zarr over the part's OCDBT
   database, uncompressed: weights barely compress), chunked by slot."""
-  from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
   spec = tsu.ArrayWriteSpec(
       str(db_parent), param_name(leaf), global_shape=leaf.shape, write_shape=leaf.shape,
       dtype=store, use_compression=False, use_ocdbt=True, process_id=f"p{part}").json
@@ -211,7 +214,6 @@ def write_leaf(t, leaf: N.Leaf, source, store: np.dtype, progress: Callable[[int
   are grouped in transactions of about BATCH_BYTES, each one commit of the part's database
   (one commit per slot would cost a manifest update and an fsync per tensor); returns when
   every write is committed."""
-  import tensorstore as ts
   txn, staged = ts.Transaction(), 0
   for slot in leaf.slots:
     raw = [source.get(n, copy=False) for n in slot.names]    # mmap views, no copy
@@ -255,10 +257,6 @@ def _part_lock(stage: Stage, k: int):
 def write_part(job: PartJob, progress: Callable[[int], None] = lambda n: None) -> int:
   """Write every leaf of `job` not already done (resume); mark the part complete. Returns
   the number of leaves written now."""
-  import gc
-
-  import tensorstore as ts
-  from k3jax.convert.safetensors_io import Source
   gc.freeze()   # the tensor tables are long-lived: keep the collector from rescanning them
   stage = Stage(pathlib.Path(job.stage))
   source = Source(job.src, allow_torch_pickle=job.allow_torch_pickle)
@@ -402,7 +400,6 @@ def _prewritten(names: set[str], part_dbs: list[pathlib.Path]):
   Other NumPy leaves are written as usual, one at a time and uncompressed. Same handler type
   string, so the checkpoint and its restore are exactly those of a plain save.
   (Relies on NumpyHandler.serialize and ParamInfo.parent_dir of orbax-checkpoint 0.12.)"""
-  from orbax.checkpoint import type_handlers as th
 
   class PrewrittenNumpyHandler(th.NumpyHandler):
     def __init__(self):
@@ -458,7 +455,6 @@ def save(stage: Stage, config, written: list[N.Leaf], dtype: np.dtype, n_parts: 
          in_memory: dict, meta: dict, dst: pathlib.Path) -> None:
   """Save the checkpoint: written leaves (placeholders) + `in_memory` ({collection: tree}
   merged in), `conversion.json` = `meta`; renamed to `dst`; the staging directory removed."""
-  from k3jax.convert.checkpoint import save_pretrained
   recover_parts(stage)
   variables: dict = {"params": {}, "balance": {}}
   for leaf in written:

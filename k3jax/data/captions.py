@@ -38,9 +38,13 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+from PIL import Image
 
 from k3jax.data.corpus import pack_windows, restored_step
 from k3jax.data.tokenizers import BOS, EOS, MEDIA, NUM_BYTES, PAD
+from k3jax.vision.media import Media, media_from_pixels, stack_media
+from k3jax.vision.packing import META_FIELDS
+from k3jax.vision.preprocess import preprocess
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 90, 235),
            "yellow": (235, 210, 40)}
@@ -173,8 +177,6 @@ def sample_arrays(tokens: np.ndarray) -> dict[str, np.ndarray]:
 def pixels(vision_config, s: Sample) -> tuple[np.ndarray, np.ndarray]:
   """(pixel_values [t·h·w, 3, p, p], grid (t, h, w)) of a sample via
   `k3jax.vision.preprocess` — the same path as `generate --image / --video`."""
-  from PIL import Image
-  from k3jax.vision.preprocess import preprocess
   frames = [Image.fromarray(f) for f in s.frames]
   pv, grid = preprocess(vision_config, [frames if s.kind == "clip" else frames[0]])
   return pv, grid[0]
@@ -183,8 +185,6 @@ def pixels(vision_config, s: Sample) -> tuple[np.ndarray, np.ndarray]:
 def empty_stream(vision_config, length: int):
   """A `Media` stream of `length` padding patches and no sample (num_merged 0): the media of a
   text-only row. Padding follows `k3jax.vision.packing.pack`'s convention."""
-  from k3jax.vision.media import Media
-  from k3jax.vision.packing import META_FIELDS
   meta = {f: np.zeros((1, length), np.int32) for f in META_FIELDS if f != "merge_weight"}
   meta["merge_weight"] = np.zeros((1, length), np.float32)
   meta["segment_ids"][:] = -1
@@ -227,7 +227,6 @@ def pack_rows(vision_config, rows: Sequence[Sequence[Encoded] | dict], seq_len: 
   mtp_mask [B, T] and media (a `Media` of B streams of `length` patches). A row is a list of
   `Encoded` samples (they must fit: Σ tokens ≤ T, Σ patches ≤ length) or a text row (a dict of
   [T] arrays from `k3jax.data.corpus.pack_windows`, empty stream)."""
-  from k3jax.vision.media import media_from_pixels, stack_media
   keys = ("inputs", "targets", "segment_ids", "loss_mask", "mtp_targets", "mtp_mask")
   out = {k: [] for k in keys}
   streams = []

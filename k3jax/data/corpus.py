@@ -103,7 +103,7 @@ ARRAY_RECORD_SUFFIX = ".array_record"
 def _read_array_record(path: str) -> list[tuple[str, np.ndarray]]:
   """(name "path:index", 1-D integer token array) per record of an array-record file."""
   try:
-    from array_record.python.array_record_module import ArrayRecordReader
+    from array_record.python.array_record_module import ArrayRecordReader  # optional: k3jax[data]
   except ImportError:
     raise ValueError(f"data.source: {path!r} is an array-record file; install the optional "
                      f"`array-record` package (pip install 'k3jax[data]')") from None

@@ -39,6 +39,8 @@ from typing import Iterable
 
 import numpy as np
 
+from k3jax.data.chat import MARKERS
+
 NUM_BYTES = 256
 PAD, BOS, EOS, SEP, MEDIA = 256, 257, 258, 259, 260
 CHAT_OPEN, CHAT_SEP, CHAT_CLOSE, CHAT_END = 261, 262, 263, 264   # XTML markers (k3jax/data/chat.py)
@@ -169,7 +171,6 @@ class TiktokenTokenizer:
 
   def chat_ids(self) -> dict[str, int]:
     """{XTML marker: its special-token id}; ValueError naming the markers missing."""
-    from k3jax.data.chat import MARKERS
     missing = [m for m in MARKERS if m not in self.special_tokens]
     if missing:
       raise ValueError(f"tokenizer: the chat marker(s) {missing} are not special tokens of "
@@ -180,7 +181,7 @@ class TiktokenTokenizer:
   @functools.cached_property
   def _regex(self):
     try:
-      import regex
+      import regex  # optional: only encoding with the Kimi pattern needs it
     except ImportError:
       raise ValueError("tokenizer: encoding with the Kimi pattern needs the `regex` module "
                        "(Unicode classes); decoding works without it") from None
@@ -208,7 +209,6 @@ class TiktokenTokenizer:
 
   @functools.cached_property
   def _special_split(self):
-    import re
     names = sorted(self.special_tokens, key=len, reverse=True)
     return re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
 

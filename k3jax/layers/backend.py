@@ -21,6 +21,15 @@ from typing import Callable
 
 import jax
 
+from k3jax.ops.kda import kda_chunked
+from k3jax.ops.mla import mla_attention
+from k3jax.ops.moe import expert_mlp
+from k3jax.parallel.context import (maybe_context_parallel, maybe_context_parallel_attention,
+                                    maybe_context_parallel_conv)
+from k3jax.parallel.expert import maybe_expert_parallel
+from pallas_kernels.kda_chunk import kda_chunked_pallas
+from pallas_kernels.moe_gmm import gmm as pallas_gmm
+
 
 # What "auto" runs on each platform, and why (docs/notes/pallas_kda.md has the figures):
 #   cpu: XLA — Pallas runs interpreted there, a correctness vehicle (bench_kda 1024x4x64,
@@ -67,13 +76,10 @@ class Kernels:
 @functools.cache
 def _kernels(name: str, kda_lower_bound: float | None) -> Kernels:
   """The record of a resolved backend name ("xla" | "pallas")."""
-  from k3jax.ops.kda import kda_chunked
-  from k3jax.ops.moe import expert_mlp
   # The bound lets the XLA op pick its dense diagonal-tile form at trace time (no cond).
   kda, gmm = functools.partial(kda_chunked, lower_bound=kda_lower_bound), None
   if name == "pallas":
-    from pallas_kernels.kda_chunk import kda_chunked_pallas
-    from pallas_kernels.moe_gmm import gmm
+    gmm = pallas_gmm
     # A bounded gate (K3, docs/k3.md §3) takes the kernel's fast diagonal tiles; an unbounded one
     # (Kimi Linear, lower_bound None) its pair-by-pair form.
     kda = functools.partial(kda_chunked_pallas, lower_bound=kda_lower_bound)
@@ -94,7 +100,6 @@ def kda_chunked_fn(backend: str, *, lower_bound: float | None = None):
   Under `k3jax.sharding.activate(mesh)` with context > 1 the function runs context-parallel
   (k3jax/parallel/context.py); otherwise it is the op itself.
   """
-  from k3jax.parallel.context import maybe_context_parallel
   ks = _kernels(resolve(backend), lower_bound)
   return maybe_context_parallel(ks.kda_chunked)
 
@@ -108,8 +113,6 @@ def expert_mlp_fn(config):
   tile by tile inside its kernel; on "xla" the sorted path (`ops.moe.expert_mlp` with
   gmm=None), which dequantises them a chunk at a time inside the computation. Adapted experts
   (LoRA target "experts") take the sorted path on every backend."""
-  from k3jax.ops.moe import expert_mlp
-  from k3jax.parallel.expert import maybe_expert_parallel
   # Per-expert LoRA adapters take the same sorted path: their rank-wide grouped matmuls are
   # below the kernels' tile widths.
   lora_experts = config.lora_on("experts")
@@ -123,7 +126,6 @@ def short_conv_fn(conv_fn):
   """The KDA short convolution `conv_fn(x, kernel, segment_ids=None)` as given, or — under
   `k3jax.sharding.activate(mesh)` with context > 1 — its context-parallel form (each shard
   receives the W−1 boundary tokens of the previous one), same signature."""
-  from k3jax.parallel.context import maybe_context_parallel_conv
   return maybe_context_parallel_conv(conv_fn)
 
 
@@ -131,8 +133,6 @@ def mla_attention_fn():
   """`k3jax.ops.mla.mla_attention` (→ (o, max_logit)), or — under `k3jax.sharding.activate(mesh)`
   with context > 1 — its context-parallel form (keys/values all-gathered over `context`, global
   causal mask, max logit reduced over all shards), same signature."""
-  from k3jax.ops.mla import mla_attention
-  from k3jax.parallel.context import maybe_context_parallel_attention
   return maybe_context_parallel_attention(mla_attention)
 
 

@@ -10,11 +10,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from k3jax.layers.linear import linear
+from k3jax.ops import moe as moe_ops
 
 
 def glu_activation(config, a, b):
   """act(a, b) in fp32 for config.text.activation ("situ" | "swiglu")."""
-  from k3jax.ops import moe as moe_ops
   a = a.astype(jnp.float32)
   b = b.astype(jnp.float32)
   if config.text.activation == "situ":

@@ -28,6 +28,12 @@ from k3jax.layers.linear import default_kernel_init, linear, lora_variables, par
 from k3jax.layers.mla import sow_stat
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norms import RMSNorm
+from k3jax.ops import balance as balance_ops
+from k3jax.ops import moe as moe_ops
+from k3jax.ops.lora import LoRAExperts
+from k3jax.ops.moe import MXFP4Weight
+from k3jax.quant import mx
+from k3jax.quant import qat
 
 
 # Each expert matrix is initialised like its own [in, out] Linear (fan-in = in).
@@ -48,8 +54,6 @@ class PackedExpertMatrix(nn.Module):
 
   @nn.compact
   def __call__(self):
-    from k3jax.ops.moe import MXFP4Weight
-    from k3jax.quant import mx
     e, din, dout = self.shape
     pshape, sshape = mx.packed_expert_shapes(e, din, dout)
     drawn = {}
@@ -101,7 +105,6 @@ class Experts(nn.Module):
     # One adapter per expert and matrix ("lora" collection: w1_lora_a [E, in, r],
     # w1_lora_b [E, r, out], …), handed to the expert op with the base (packed or not) as
     # `LoRAExperts`, the scale folded into B.
-    from k3jax.ops.lora import LoRAExperts
     out = []
     for name, w, axes in zip(("w1", "w3", "w2"), ws, (up, up, down)):
       _, din, dout = w.shape
@@ -132,7 +135,6 @@ class Router(nn.Module):
 
 def expert_capacity(config, num_tokens: int) -> int | None:
   """ceil(capacity_factor · N · k / E) clamped to [1, N], or None (dropless)."""
-  from k3jax.ops import moe as moe_ops
   if config.modes.moe_capacity_factor is None:
     return None
   return moe_ops.capacity(num_tokens, config.text.experts_per_token, config.text.num_experts,
@@ -145,7 +147,6 @@ class StableLatentMoE(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    from k3jax.ops import moe as moe_ops
     cfg = self.config
     if x.ndim != 3 or x.shape[-1] != cfg.text.d_model:
       raise ValueError(f"StableLatentMoE: x must be [B,T,d={cfg.text.d_model}], found {x.shape}")
@@ -174,7 +175,6 @@ class StableLatentMoE(nn.Module):
       # codes are the ones the exporter writes from the masters (MXFP4 values are exact in bf16).
       qat_kw = {}
       if cfg.modes.expert_qat is not None:
-        from k3jax.quant import qat
         fq = qat.weight_quantizer(cfg.modes.expert_qat)
         w1, w3, w2 = (w if isinstance(w, tuple) else fq(w) for w in (w1, w3, w2))
         qat_kw = dict(input_quant=qat.input_format(cfg.modes.expert_qat))
@@ -198,7 +198,6 @@ class StableLatentMoE(nn.Module):
 
     if self.is_initializing() or not self.is_mutable_collection("stats"):
       return y.reshape(b, t, d).astype(x.dtype)  # statistics cost a histogram: only on request
-    from k3jax.ops import balance as balance_ops
     sow_stat(self, "load", jnp.zeros((e,), jnp.float32).at[indices.reshape(-1)].add(1.0))
     sow_stat(self, "margin_hist", balance_ops.margin_histogram(
         scores, cutoff, cfg.modes.qb_num_bins, cfg.modes.qb_range).astype(jnp.int32))

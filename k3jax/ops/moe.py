@@ -51,6 +51,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from k3jax.ops.lora import LoRAExperts, expert_einsum, is_lora, merge_experts
+from k3jax.quant import mx
+from k3jax.quant.qat import fake_mxfp8
 
 Array = jax.Array
 # gmm(lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G] int32) -> [M, N]: rows
@@ -93,7 +95,6 @@ class MXFP4Weight(NamedTuple):
 
   def dequantize(self, dtype) -> Array:
     """The kernel [..., E, in, out] in `dtype` (exact: E2M1 × 2^k fits bf16)."""
-    from k3jax.quant import mx
     return mx.unpack_expert(self.packed, self.scale, dtype)
 
 
@@ -226,7 +227,6 @@ def quantized_inputs(x: Array, act, input_quant: str | None):
     return x, act
   if input_quant != "mxfp8":
     raise ValueError(f"input_quant: expected None or 'mxfp8', found {input_quant!r}")
-  from k3jax.quant.qat import fake_mxfp8
   return fake_mxfp8(x), lambda a, b: fake_mxfp8(act(a, b))
 
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax import sharding
+from k3jax.ops.kda import kda_chunked
 
 Array = jax.Array
 CONTEXT = "context"
@@ -61,7 +62,6 @@ def from_previous_shard(x: Array, axis_name: str = CONTEXT) -> Array:
 
 # ------------------------------------------------------------------------------ KDA
 def _default_kda():
-  from k3jax.ops.kda import kda_chunked  # noqa: PLC0415 (ops land independently)
   return kda_chunked
 
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 
 BLOCK = 32          # values per shared scale
 SCALE_BIAS = 127    # E8M0: value 2^(byte - 127); byte 255 is NaN
@@ -37,10 +40,9 @@ E4M3 = _Fmt("e4m3", 4, 3, 7, 448.0, 8)
 
 
 def _xp(x):
-  """numpy for numpy inputs, jax.numpy otherwise (jax is imported lazily)."""
+  """numpy for numpy inputs, jax.numpy otherwise."""
   if isinstance(x, np.ndarray) or np.isscalar(x):
     return np
-  import jax.numpy as jnp
   return jnp
 
 
@@ -258,8 +260,6 @@ def mxfp4_unpack_fast(packed, scales, dtype):
   only with scale bytes 0 and 1, blocks whose largest magnitude is under 2^−124 — decode to
   ±0 here (a weight that small is zero in any bf16/fp32 matmul on those backends too).
   packed uint8 [..., n/2], scales uint8 [..., n/32] → [..., n] of `dtype`."""
-  import jax
-  import jax.numpy as jnp
   codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.uint32)   # [..., n/2, 2]
   sign = (codes >> 3) << 31
   e = (codes >> 1) & 3
@@ -348,10 +348,6 @@ def _map_experts(tree, fn):
 
 def _unboxed(tree):
   """Plain arrays for a tree that may hold flax LogicallyPartitioned boxes (model.init)."""
-  try:
-    from flax.core import meta
-  except ImportError:   # numpy-only users (the converter) never pass boxes
-    return tree
   return meta.unbox(tree)
 
 

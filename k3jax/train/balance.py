@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from k3jax.ops import balance as ops
 from k3jax.tree_paths import path_str
 
 BIAS_NAME = "e_score_correction_bias"
@@ -64,7 +65,6 @@ def moe_module_of(bias_path: str) -> str:
 def new_bias(method: str, bias: jax.Array, stats: dict[str, jax.Array], module: str, *,
              k: int, value_range: tuple[float, float], gamma: float) -> jax.Array:
   """The bias of the next step for one MoE module (bias [E] or [G, E])."""
-  from k3jax.ops import balance as ops
   if method == "none":
     return jnp.zeros_like(bias)
   if method == "qb":

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import MLA, ModelConfig
+from k3jax.train.optim import muon_blocks, param_label
 
 
 # ---------------------------------------------------------------------- FLOPs and peak
@@ -77,7 +78,6 @@ def muon_flops_per_step(params: dict, ns_steps: int = 5, *,
   per block [m ≤ n]: ns_steps · (4·m²·n + 2·m³). With small batches on a CPU this rivals the
   model's own FLOPs, which is why `hfu` (model + optimizer FLOPs) is logged next to `mfu`.
   Frozen experts (`freeze_experts`, packed MXFP4 ones included) take no Muon step."""
-  from k3jax.train.optim import muon_blocks, param_label
   total = 0.0
   for path, x in _leaf_items({"params": params}):
     if param_label(path, x.shape, x.dtype, freeze_experts) != "muon":
@@ -183,6 +183,8 @@ class MetricsWriter:
           f.write(b"\n")
     self.tb = None
     if tensorboard:
+      # optional: TensorBoard events (train.tensorboard); tensorboardX loads torch when torch
+      # is installed (seconds), so only runs that write events pay for it.
       from tensorboardX import SummaryWriter
       self.tb = SummaryWriter(logdir=workdir)
 

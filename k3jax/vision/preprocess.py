@@ -46,6 +46,7 @@ import os
 from typing import Any, Sequence
 
 import numpy as np
+from PIL import Image
 
 from k3jax.vision.packing import check_grid
 
@@ -67,7 +68,6 @@ def load_image(image: Any, *, name: str = "image"):
 
   Transparency is composited onto white (transformers' `convert_to_rgb`). Raises ValueError
   naming `name` for an unreadable/corrupt file, an unsupported type or a zero-size image."""
-  from PIL import Image
   where = f"{name} ({_describe(image)})"
   if isinstance(image, Image.Image):
     img = image
@@ -157,7 +157,6 @@ def preprocess_sample(config, item: Any, *, name: str = "media[0]", max_patches:
   """One image, or one video (a list/tuple of frames), → (patches [t·h·w, 3, p, p] float32,
   (t, h, w)). The resize budget (`max_patches` patches per frame, `max_side` per side)
   defaults to the config's bounds `max_patches_per_frame`, `max_grid_side`."""
-  from PIL import Image
   p = config.patch_size
   merge = config.merge_kernel[0]
   max_patches = config.max_patches_per_frame if max_patches is None else max_patches

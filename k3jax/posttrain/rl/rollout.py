@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -63,7 +64,6 @@ def sample(config: ModelConfig, variables, prefixes: Sequence[Sequence[int]],
            stop_after: int | None = None) -> RolloutBatch:
   """Continue each prefix by up to limits[b] tokens (module doc). A row with limit 0 is idle
   (padding of a fixed batch); it never counts as finished in this call."""
-  import time
   t0 = time.perf_counter()
   b = len(prefixes)
   limits = np.asarray(limits, np.int64)
