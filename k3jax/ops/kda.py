@@ -71,7 +71,6 @@ emits as a multiply-and-reduce, which XLA:CPU's YNNPACK fusion ran ~30x slower t
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
