@@ -189,7 +189,7 @@ def k25_config_to_hf(cfg: VisionConfig, media_placeholder_token_id: int | None =
 
 # ---------------------------------------------------------------------- source spellings
 @dataclasses.dataclass(frozen=True)
-class Recipe:
+class SourceSpelling:
   """How one released tensor is read: from `names` (one, or q/k/v split), with these shapes."""
   spec: vnames.TensorSpec
   names: tuple[str, ...]
@@ -207,34 +207,34 @@ _K25_MODULE_TOP = {"vision_tower.patch_embed.proj": "model.vision_tower.patch_em
                    "mm_projector.proj.2": "model.mm_projector.out_proj"}
 
 
-def _alternatives(cfg: VisionConfig, spec: vnames.TensorSpec, arch: str) -> list[Recipe]:
+def _alternatives(cfg: VisionConfig, spec: vnames.TensorSpec, arch: str) -> list[SourceSpelling]:
   """The spellings one released tensor may have in a source of `arch`, most canonical first."""
-  alts = [Recipe(spec, (spec.name,), (spec.shape,))]
+  alts = [SourceSpelling(spec, (spec.name,), (spec.shape,))]
   if arch != "kimi_k25":
     return alts
   name = spec.name
   module, _, leaf = name.rpartition(".")                    # e.g. (…wqkv, weight)
   # transformers' save_pretrained (5.x) spelling
   if module == "vision_tower.patch_embed.proj":
-    alts.append(Recipe(spec, (f"vision_tower.encoder.patch_embed.proj.{leaf}",), (spec.shape,)))
+    alts.append(SourceSpelling(spec, (f"vision_tower.encoder.patch_embed.proj.{leaf}",), (spec.shape,)))
   if module == "mm_projector.pre_norm":
-    alts.append(Recipe(spec, (f"model.mm_projector.pre_norm.{leaf}",), (spec.shape,)))
+    alts.append(SourceSpelling(spec, (f"model.mm_projector.pre_norm.{leaf}",), (spec.shape,)))
   # transformers' module (state_dict) spelling
   if name == "vision_tower.patch_embed.pos_emb.weight":
-    alts.append(Recipe(spec, ("model.vision_tower.patch_embed.pos_emb.position_embeddings",),
+    alts.append(SourceSpelling(spec, ("model.vision_tower.patch_embed.pos_emb.position_embeddings",),
                        (spec.shape,)))
   elif module in _K25_MODULE_TOP:
-    alts.append(Recipe(spec, (f"{_K25_MODULE_TOP[module]}.{leaf}",), (spec.shape,)))
+    alts.append(SourceSpelling(spec, (f"{_K25_MODULE_TOP[module]}.{leaf}",), (spec.shape,)))
   m = _K25_BLOCK.match(module)
   if m:
     i, sub = m.groups()
     base = f"model.vision_tower.layers.{i}."
     if sub == "wqkv":
       part = (spec.shape[0] // 3,) + spec.shape[1:]
-      alts.append(Recipe(spec, tuple(f"{base}attn.{p}_proj.{leaf}" for p in "qkv"),
+      alts.append(SourceSpelling(spec, tuple(f"{base}attn.{p}_proj.{leaf}" for p in "qkv"),
                          (part,) * 3, split_qkv=True))
     elif sub in _K25_MODULE_BLOCK:
-      alts.append(Recipe(spec, (f"{base}{_K25_MODULE_BLOCK[sub]}.{leaf}",), (spec.shape,)))
+      alts.append(SourceSpelling(spec, (f"{base}{_K25_MODULE_BLOCK[sub]}.{leaf}",), (spec.shape,)))
   return alts
 
 
@@ -242,8 +242,8 @@ def _is_float(info) -> bool:
   return info.dtype.kind == "f" or info.dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
-def plan_vision(source: Source, cfg: VisionConfig, arch: str) -> list[Recipe]:
-  """One Recipe per released tensor of `cfg`, after checking every vision tensor of `source`.
+def plan_vision(source: Source, cfg: VisionConfig, arch: str) -> list[SourceSpelling]:
+  """One SourceSpelling per released tensor of `cfg`, after checking every vision tensor of `source`.
 
   Raises ValueError listing missing tensors (by released name, with the spellings looked
   for), wrong shapes and non-float dtypes (by source name), and vision-prefixed source names
@@ -281,7 +281,7 @@ def plan_vision(source: Source, cfg: VisionConfig, arch: str) -> list[Recipe]:
   return recipes
 
 
-def read_release(source: Source, cfg: VisionConfig, recipe: Recipe) -> np.ndarray:
+def read_release(source: Source, cfg: VisionConfig, recipe: SourceSpelling) -> np.ndarray:
   """One released tensor (release layout, source dtype) as the recipe reads it."""
   if not recipe.split_qkv:
     return source.get(recipe.names[0])
@@ -389,4 +389,4 @@ def export_vision(src: str | os.PathLike | None, dst: str | os.PathLike,
 
 __all__ = ["convert_vision", "export_vision", "plan_vision", "read_release", "read_vision_dir",
            "load_vision", "path_name", "CONFIG_FILE", "PARAMS_FILE",
-           "vision_config_of", "k25_config_to_hf", "Recipe", "ARCHS", "VISION_PREFIXES"]
+           "vision_config_of", "k25_config_to_hf", "SourceSpelling", "ARCHS", "VISION_PREFIXES"]

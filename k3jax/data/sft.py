@@ -430,7 +430,7 @@ def conversations(sft_file: str = "", eval_percent: float = 2.0, seed: int = 0,
   return [s.conversation for s in train], [s.conversation for s in held]
 
 
-def make_data(train: Sequence[chat.Conversation], held: Sequence[chat.Conversation],
+def training_data(train: Sequence[chat.Conversation], held: Sequence[chat.Conversation],
               seq_len: int, batch_size: int, seed: int, num_eval_batches: int):
   """(train SFTIterator, eval batches): `train` packed into rows of `seq_len` (shuffled by
   `seed`), `held` into `num_eval_batches` batches."""

@@ -68,7 +68,7 @@ class Trainable:
     params, rest = {}, dict(variables)
     for path in self.grad_paths:
       sub, rest = _take(rest, path)
-      params = merge(params, _nest(path, sub))
+      params = merge_trees(params, _nest(path, sub))
     balance = {}
     if self.balance:
       balance = rest.pop(BALANCE, {})
@@ -105,14 +105,14 @@ def _prune(tree: dict) -> dict:
   return out
 
 
-def merge(a: dict, b: dict) -> dict:
+def merge_trees(a: dict, b: dict) -> dict:
   """The union of two variables-shaped dicts with disjoint leaves (ValueError on overlap)."""
   out = dict(a)
   for k, v in b.items():
     if k not in out:
       out[k] = v
     elif isinstance(out[k], dict) and isinstance(v, dict):
-      out[k] = merge(out[k], v)
+      out[k] = merge_trees(out[k], v)
     else:
       raise ValueError(f"merge: {k!r} is in both trees")
   return out
@@ -129,7 +129,7 @@ class TrainState:
   @property
   def variables(self) -> dict:
     """All the model's variables ({"params", "balance", …}), ready for `K3Model.apply`."""
-    out = merge(self.params, self.frozen)
+    out = merge_trees(self.params, self.frozen)
     return {**out, BALANCE: self.balance} if self.balance else out
 
   @property
@@ -181,5 +181,5 @@ def abstract_state(variables: dict, trainable: Trainable,
   return jax.eval_shape(lambda v: init_state(v, trainable, tx), variables)
 
 
-__all__ = ["Trainable", "TrainState", "merge", "init_variables", "init_state", "with_optimized",
+__all__ = ["Trainable", "TrainState", "merge_trees", "init_variables", "init_state", "with_optimized",
            "abstract_state", "BALANCE"]

@@ -124,7 +124,7 @@ def make_data(run: RunConfig, config: ModelConfig):
                        "are packed once, at train.seq_len)")
     train_convs, held = sft.conversations(d.sft_file, d.eval_percent, run.seed,
                                           d.sft_num_train, d.sft_num_eval)
-    it, evals = sft.make_data(train_convs, held, t.seq_len, t.batch_size, run.seed, n_eval)
+    it, evals = sft.training_data(train_convs, held, t.seq_len, t.batch_size, run.seed, n_eval)
     return it, evals, []
   if d.source != SHAPES:
     corpus = corpus_lib.load_corpus(d.source, d.eval_percent, config.text.vocab_size)

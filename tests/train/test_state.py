@@ -11,7 +11,7 @@ import pytest
 from k3jax.config import preset
 from k3jax.posttrain import eagle, lora
 from k3jax.train.sharded import PRETRAIN
-from k3jax.train.state import (BALANCE, Trainable, init_state, init_variables, merge,
+from k3jax.train.state import (BALANCE, Trainable, init_state, init_variables, merge_trees,
                                with_optimized)
 from k3jax.train.step import Loss, lm_loss, make_step
 
@@ -26,7 +26,7 @@ def test_split_and_merge_are_inverse():
       (eagle.DRAFT, {"params"}, {"params", "balance", "lora"}, {})):
     params, frozen, bal = trainable.split(TREE)
     assert set(params) == params_keys and set(frozen) == frozen_keys and bal == balance
-    back = merge(params, frozen)
+    back = merge_trees(params, frozen)
     if bal:
       back = {**back, BALANCE: bal}
     assert back == TREE
@@ -41,7 +41,7 @@ def test_bad_paths_and_overlaps_are_named():
   with pytest.raises(ValueError, match="name at least one path"):
     Trainable()
   with pytest.raises(ValueError, match="'w' is in both trees"):
-    merge({"a": {"w": 1}}, {"a": {"w": 2}})
+    merge_trees({"a": {"w": 1}}, {"a": {"w": 2}})
 
 
 def _batch(b=2, t=16):
