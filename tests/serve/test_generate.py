@@ -192,7 +192,11 @@ def test_bad_input_errors():
 def test_prefill_with_media_matches_the_full_forward_then_decodes():
   """An image's placeholders at prefill: the last logits equal `K3Model.apply(media=)` over the
   whole prompt, and each decode step equals the full forward over prompt + generated tokens
-  (the image stays in the cache). A text-only model refuses media."""
+  (the image stays in the cache). A text-only model refuses media.
+
+  One jitted forward over prompt + the decoded token serves both: by causality its logits at
+  the prompt's last position are the forward's over the prompt alone (an eager forward
+  compiles each op alone, several times the jitted compile)."""
   from k3jax.vision.media import media_from_pixels
   cfg = preset("tiny_multimodal", num_layers=4)
   vcfg, ph = cfg.vision, cfg.media_placeholder_token_id
@@ -201,16 +205,16 @@ def test_prefill_with_media_matches_the_full_forward_then_decodes():
   prompt = np.array([[257, ph, ph, ph, ph, 97, 32]], np.int32)
   v = nn.meta.unbox(jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0), prompt))
   model = K3Model(cfg.for_inference())
+  forward = jax.jit(lambda v, t, media: model.apply(v, t, media=media))
   logits, cache = G.prefill(cfg, v, prompt, [7], max_len=9, media=media)   # = generate's
-  full = model.apply(v, jnp.asarray(prompt), media=media)
-  np.testing.assert_allclose(logits, full[:, -1], atol=1e-4, rtol=1e-4)
-  without = model.apply(v, jnp.asarray(prompt))      # the image matters to the prediction
-  assert np.abs(np.asarray(full[:, -1] - without[:, -1])).max() > 1e-3
   tok = np.argmax(np.asarray(logits), -1)
   step, cache = G.decode_step(cfg, v, cache, tok)
-  grown = np.concatenate([prompt, tok[:, None]], 1)
-  np.testing.assert_allclose(step, model.apply(v, jnp.asarray(grown), media=media)[:, -1],
-                             atol=1e-4, rtol=1e-4)
+  grown = jnp.asarray(np.concatenate([prompt, tok[:, None]], 1))
+  full = forward(v, grown, media)
+  np.testing.assert_allclose(logits, full[:, -2], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(step, full[:, -1], atol=1e-4, rtol=1e-4)
+  without = forward(v, grown, None)      # the image matters to the prediction
+  assert np.abs(np.asarray(full[:, -2] - without[:, -2])).max() > 1e-3
   out = G.generate(cfg, v, [prompt[0].tolist()], max_new_tokens=2, media=media)
   assert out[0][0] == int(tok[0])
   with pytest.raises(ValueError, match="placeholders"):
