@@ -34,8 +34,9 @@ Chat (the XTML format, k3jax/data/chat.py):
   python -m experiments.generate --checkpoint=runs/sft --chat --prompt="What is 2+3?" --show_think
 
 --chat renders the prompt as one user turn and opens the assistant's reply —
-`[BOS] chat.user_prompt(prompt, thinking)` with the markers as single special tokens —
-in thinking mode (the reply opens its `think` channel) or with --chat_mode=instruct (it opens
+`[BOS] chat.user_prompt(prompt, thinking)` with the markers as single special tokens, written
+by the one chat encoder (k3jax/data/chat_tokens.py: the prompt stays ordinary text, so a typed
+`<eos>` or `[open]` is text, never a control token) — in thinking mode (the reply opens its `think` channel) or with --chat_mode=instruct (it opens
 `response`). Generation stops at `[end_of_msg]` (added to the stop tokens); the reply is parsed
 back (`chat_output`: a reply cut at --max_new_tokens is closed first) and its response channel
 printed — after its thinking channel with --show_think, and its tool calls (JSON) when it made
@@ -183,10 +184,13 @@ def main(argv):
   tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.vocab_size)
   if _CHAT.value:
     from k3jax.data import chat
-    end_id = tok.chat_ids()[chat.END]      # a tokenizer without the markers fails here, by name
-    ids = [int(i) for i in tok.encode(chat.user_prompt(prompt, thinking), specials=True)]
-    if not (_IMAGE.value or _VIDEO.value) and getattr(tok, "bos_id", None) is not None:
-      ids = [int(tok.bos_id)] + ids        # (media_prompt puts BOS before the media itself)
+    from k3jax.data.chat_tokens import ChatEncoder
+    encoder = ChatEncoder(tok)             # a tokenizer without the markers fails here, by name
+    end_id = encoder.end_id
+    # The one chat encoder: markers from the structure, the prompt as ordinary text (a typed
+    # "<eos>" or "[open]" stays text). media_prompt puts BOS before the media itself.
+    ids = encoder.encode(chat.user_conversation(prompt), reply="thinking" if thinking else
+                         "instruct", bos=not (_IMAGE.value or _VIDEO.value)).ids.tolist()
   else:
     ids = [int(i) for i in tok.encode(prompt)]
   ids, media = media_prompt(cfg, tok, _IMAGE.value, _VIDEO.value, ids)
