@@ -195,8 +195,10 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def kda_zeros(config: ModelConfig, batch: int) -> dict:
-  """The KDA layers' caches of `batch` rows, laid out like `Cache.stack` (MLA layers left out)."""
-  return _select(Cache.zeros(config, batch, 1).stack, KDACache)
+  """The KDA layers' caches of `batch` rows, laid out like `Cache.stack` (MLA layers left out);
+  every leaf its own buffer (the serving engine donates them)."""
+  return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                _select(Cache.zeros(config, batch, 1).stack, KDACache))
 
 
 def page_pools(config: ModelConfig, num_pages: int, page_size: int) -> dict:

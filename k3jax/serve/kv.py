@@ -1,0 +1,189 @@
+"""The serving engine's device state and the compiled programs that run over it.
+
+State (all device arrays):
+  pools      every MLA layer's latent pages (`k3jax.cache.page_pools`: [num_pages, page, C],
+             shared by every slot and by the prefix cache; page ids come from
+             `k3jax.serve.pages.PageAllocator`);
+  kda[t]     the KDA caches (state + conv tails) of the `rows` slots of decode tile t
+             (`k3jax.cache.kda_zeros` layout);
+  store      `num_checkpoints` KDA checkpoints (the prefix cache's device slots), same layout.
+
+Programs (jitted once per shape, shared by every engine of one config, state donated):
+  decode     one token for each row of a tile: [rows, 1] → sampled token and log-prob per row;
+  prefill    one piece of one slot: [1, bucket] (its real tokens first) → the sample at the
+             piece's last real token;
+  save / load / zero / to_host / from_host   a slot's KDA row ↔ a checkpoint;
+  copy_page  one page of every MLA pool (copy-on-write of a shared, partly filled page).
+
+Why a row's result is the same whatever shares its program (batch invariance, docs/notes/
+serve.md): every program has a fixed shape whatever the number of slots or requests — a
+decode is always one tile of `rows` rows, a piece always one row of its bucket — and every
+operation in it is row-independent: per-row norms, KDA and attention, matmuls whose reduction
+runs over the contracted axis alone (XLA:CPU's dot of a fixed shape gives a row the same bits at
+any position and beside any other rows; tests/serve/test_invariance.py holds the whole model to
+it), a dropless MoE whose expert buffers have a static layout, and per-row sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.cache import (commit_paged, kda_rows, kda_set_rows, kda_zeros, page_pools,
+                         paged_cache)
+from k3jax.config import ModelConfig
+from k3jax.model import K3Model
+from k3jax.serve.sampling import sample_rows
+
+
+@dataclasses.dataclass
+class Sampled:
+  """Host copies of a program's samples: tokens [B], logprobs [B], top ids / logprobs [B, n]."""
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  top_ids: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
+
+
+def _forward(config: ModelConfig, num_top: int, variables, kda, pools, table, lengths, tokens,
+             num_new, seeds, counters, temperature, top_k, top_p):
+  """`K3Model.extend` on the rows' paged cache, then each row's sample at its last real input.
+  Returns ((tokens, logprobs, top), kda, pools)."""
+  cache = paged_cache(config, kda, pools, table, lengths)
+  logits, _, after = K3Model(config).apply(variables, tokens, cache, num_new,
+                                           method=K3Model.extend)
+  last = jnp.maximum(num_new - 1, 0)
+  at_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+  out = sample_rows(at_last, seeds, counters, temperature, top_k, top_p, num_top)
+  kda, pools = commit_paged(after, pools, table, lengths, num_new, tokens.shape[1])
+  return out, kda, pools
+
+
+def _prefill(config, num_top, variables, kda_tile, row, pools, table, lengths, tokens, num_new,
+             seeds, counters, temperature, top_k, top_p):
+  """`_forward` on row `row` (traced int) of a tile's KDA caches (one-row inputs)."""
+  idx = row[None]
+  out, one, pools = _forward(config, num_top, variables, kda_rows(kda_tile, idx), pools, table,
+                             lengths, tokens, num_new, seeds, counters, temperature, top_k,
+                             top_p)
+  return out, kda_set_rows(kda_tile, idx, one), pools
+
+
+def _copy_page(pools, src, dst):
+  def one(a):   # [P, page, C], or [groups, P, page, C] in the scanned body
+    if a.ndim == 4:
+      return a.at[:, dst].set(a[:, src])
+    return a.at[dst].set(a[src])
+  return jax.tree_util.tree_map(one, pools)
+
+
+@functools.lru_cache(maxsize=None)
+def programs(config: ModelConfig, num_top: int) -> dict:
+  """The jitted programs of one config (shared by every engine of it: one compilation per
+  shape). State arguments are donated."""
+  return dict(
+      decode=jax.jit(functools.partial(_forward, config, num_top), donate_argnums=(1, 2)),
+      prefill=jax.jit(functools.partial(_prefill, config, num_top), donate_argnums=(1, 3)),
+      save=jax.jit(lambda store, kda, row, slot: kda_set_rows(
+          store, slot[None], kda_rows(kda, row[None])), donate_argnums=(0,)),
+      load=jax.jit(lambda kda, row, store, slot: kda_set_rows(
+          kda, row[None], kda_rows(store, slot[None])), donate_argnums=(0,)),
+      put=jax.jit(lambda kda, row, rows: kda_set_rows(kda, row[None], rows),
+                  donate_argnums=(0,)),
+      take=jax.jit(lambda store, slot: kda_rows(store, slot[None])),
+      copy_page=jax.jit(_copy_page, donate_argnums=(0,)),
+  )
+
+
+def _i32(x):
+  return jnp.asarray(np.asarray(x, np.int32))
+
+
+class DeviceState:
+  """The device arrays of an engine (module doc) and calls of the compiled programs on them.
+
+  config: the model's config (run as `config.for_inference()`: dropless MoE); variables: its
+  variables; num_tiles × rows slots; num_pages pages of page_size tokens; num_checkpoints
+  device checkpoint slots (0: none); num_top: top log-probs returned per sample.
+  """
+
+  def __init__(self, config: ModelConfig, variables, *, num_tiles: int, rows: int,
+               num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5):
+    self.config = config.for_inference()
+    v = nn.meta.unbox(dict(variables))
+    self.variables = jax.device_put({k: v[k] for k in v if k in ("params", "balance")})
+    self.rows = rows
+    self.num_top = num_top
+    self.pools = page_pools(self.config, num_pages, page_size)
+    self.kda = [kda_zeros(self.config, rows) for _ in range(num_tiles)]
+    self.store = kda_zeros(self.config, num_checkpoints) if num_checkpoints else None
+    self._zero_row = kda_zeros(self.config, 1)
+    self._p = programs(self.config, num_top)
+
+  # ------------------------------------------------------------------ forward programs
+  def _sampled(self, out) -> Sampled:
+    toks, lps, top = out
+    if top is None:
+      return Sampled(np.asarray(toks), np.asarray(lps))
+    return Sampled(np.asarray(toks), np.asarray(lps), np.asarray(top[0]), np.asarray(top[1]))
+
+  def decode(self, tile: int, tokens, lengths, table, active, sampling) -> Sampled:
+    """One token for each row of tile `tile`: tokens/lengths/active [rows], table [rows, M],
+    sampling = (seeds, counters, temperature, top_k, top_p) per row. Inactive rows change no
+    cache."""
+    seeds, counters, temp, top_k, top_p = sampling
+    out, self.kda[tile], self.pools = self._p["decode"](
+        self.variables, self.kda[tile], self.pools, _i32(table), _i32(lengths),
+        _i32(np.asarray(tokens)[:, None]), _i32(active), jnp.asarray(seeds, jnp.uint32),
+        _i32(counters), jnp.asarray(temp, jnp.float32), _i32(top_k), jnp.asarray(top_p,
+                                                                                 jnp.float32))
+    return self._sampled(out)
+
+  def prefill(self, tile: int, row: int, tokens, num_new: int, length: int, table_row,
+              sampling) -> Sampled:
+    """Feed tokens [bucket] (the first num_new real) to slot (tile, row) holding `length`
+    tokens; the sample at the last real token (sampling: one row's five values)."""
+    seeds, counters, temp, top_k, top_p = (np.asarray([x]) for x in sampling)
+    out, self.kda[tile], self.pools = self._p["prefill"](
+        self.variables, self.kda[tile], _i32(row), self.pools, _i32(np.asarray(table_row)[None]),
+        _i32([length]), _i32(np.asarray(tokens)[None]), _i32([num_new]),
+        jnp.asarray(seeds, jnp.uint32), _i32(counters), jnp.asarray(temp, jnp.float32),
+        _i32(top_k), jnp.asarray(top_p, jnp.float32))
+    return self._sampled(out)
+
+  # ------------------------------------------------------------------ KDA rows and checkpoints
+  def zero(self, tile: int, row: int) -> None:
+    """A cold start: slot (tile, row)'s KDA caches zeroed."""
+    self.kda[tile] = self._p["put"](self.kda[tile], _i32(row), self._zero_row)
+
+  def save(self, tile: int, row: int, slot: int) -> None:
+    """Checkpoint slot `slot` ← slot (tile, row)'s KDA caches."""
+    self.store = self._p["save"](self.store, self.kda[tile], _i32(row), _i32(slot))
+
+  def load(self, slot: int, tile: int, row: int) -> None:
+    """Slot (tile, row)'s KDA caches ← checkpoint slot `slot`."""
+    self.kda[tile] = self._p["load"](self.kda[tile], _i32(row), self.store, _i32(slot))
+
+  def to_host(self, slot: int):
+    """Checkpoint slot `slot` as numpy arrays (host offload)."""
+    return jax.tree_util.tree_map(np.asarray, self._p["take"](self.store, _i32(slot)))
+
+  def from_host(self, rows, tile: int, row: int) -> None:
+    """Slot (tile, row)'s KDA caches ← a checkpoint offloaded by `to_host`."""
+    self.kda[tile] = self._p["put"](self.kda[tile], _i32(row), jax.device_put(rows))
+
+  def copy_page(self, src: int, dst: int) -> None:
+    self.pools = self._p["copy_page"](self.pools, _i32(src), _i32(dst))
+
+  @property
+  def checkpoint_bytes(self) -> int:
+    """Bytes of one KDA checkpoint (every KDA layer's state and conv tails)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self._zero_row))
+
+
+__all__ = ["DeviceState", "Sampled", "programs"]
