@@ -181,6 +181,8 @@ class Request:
   on_update: Callable[[Update], None] | None
   keyed: list[tuple[int, bytes]]          # (checkpoint point, prefix key), ascending
   checker: StopChecker
+  media: object = None                    # a `Media` (its images), encoded at admission
+  features: object = None                 # its placeholders' features [n, d] (device)
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   top: list = dataclasses.field(default_factory=list)
@@ -247,9 +249,14 @@ class Engine:
   # ------------------------------------------------------------------ the public interface
   def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams(), *,
              on_update: Callable[[Update], None] | None = None, request_id: str | None = None,
-             cache_prefix: bool = True) -> str:
+             cache_prefix: bool = True, media=None, media_keys: Sequence[int] | None = None
+             ) -> str:
     """Queue a request (any thread); ValueError naming the problem for a request that can
-    never run. Returns its id. `cache_prefix=False`: neither look up nor store cache entries."""
+    never run. Returns its id. `cache_prefix=False`: neither look up nor store cache entries.
+
+    media: a `k3jax.vision.media.Media` for the prompt's placeholders (a multimodal model),
+    encoded once at admission; media_keys: one int64 per placeholder naming its image (a
+    digest) — the prefix keys then cover the images, else a media request is not cached."""
     ids = np.asarray(prompt)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"prompt: expected a non-empty list of token ids, found shape "
@@ -262,14 +269,16 @@ class Engine:
                        f"context of {self.ec.max_len} tokens")
     checker = StopChecker(params.sampling, self.decode_text if params.stop_strings else None)
     ids = ids.astype(np.int32)
+    extra = self._check_media(ids, media, media_keys)
     keyed = []
-    if cache_prefix and self.ec.prefix_cache:
+    if cache_prefix and self.ec.prefix_cache and (media is None or extra is not None):
       points = [p for p in grid.split_points(ids, self.ec.prefill_chunk, self.ec.boundary_token)
                 if grid.is_checkpoint(ids, p, self.ec.checkpoint_interval,
                                       self.ec.boundary_token)]
-      keyed = list(zip(points, grid.prefix_keys(ids, points, self._salt)))
+      keyed = list(zip(points, grid.prefix_keys(ids, points, self._salt, extra)))
     rid = request_id or f"req-{next(self._ids)}"
-    req = Request(rid, ids, params, on_update, keyed, checker, arrived=time.perf_counter())
+    req = Request(rid, ids, params, on_update, keyed, checker, media=media,
+                  arrived=time.perf_counter())
     with self._lock:
       if rid in self.requests:
         raise ValueError(f"request_id: {rid!r} is already in use")
@@ -278,6 +287,30 @@ class Engine:
       self.counters["submitted"] += 1
     self.wake.set()
     return rid
+
+  def _check_media(self, ids, media, media_keys):
+    """Placeholders vs media (ValueError naming the mismatch); the per-position extra key."""
+    pid = self.config.media_placeholder_token_id
+    n = 0 if pid is None else int((ids == pid).sum())
+    if media is None:
+      if n and self.config.vision is not None:
+        raise ValueError(f"prompt: {n} media placeholders (id {pid}) but no media")
+      return None
+    if self.config.vision is None:
+      raise ValueError("media: the model has no vision tower (config.vision is None: a "
+                       "text-only model)")
+    m = int(np.asarray(media.num_merged).sum())
+    if n != m:
+      raise ValueError(f"prompt: {n} media placeholders (id {pid}) but the media give {m} "
+                       f"merged vision tokens")
+    if media_keys is None:
+      return None
+    keys = np.asarray(media_keys, np.int64)
+    if keys.shape != (n,):
+      raise ValueError(f"media_keys: expected one per placeholder ({n}), found {keys.shape}")
+    extra = np.zeros(len(ids), np.int64)
+    extra[ids == pid] = keys
+    return extra
 
   def cancel(self, request_id: str) -> None:
     """Cancel a request (any thread): it finishes with "cancelled" at the next step, its slot
@@ -390,6 +423,8 @@ class Engine:
         self.cache.restore(hit, slot.tile, slot.row)
       else:
         self.device.zero(slot.tile, slot.row)
+      if req.media is not None:
+        req.features = self.device.encode_media(req.media)
       slot.req, slot.length, slot.pages = req, h, shared + fresh
       slot.pieces = grid.pieces(req.prompt, ec.prefill_chunk, ec.boundary_token, start=h)
       self.tables[slot.tile][slot.row] = NULL_PAGE
@@ -441,9 +476,14 @@ class Engine:
         width = grid.bucket(b - a, ec.buckets)
         toks = np.zeros(width, np.int32)
         toks[:b - a] = req.prompt[a:b]
+        rows = None
+        if req.features is not None:
+          pid = self.config.media_placeholder_token_id
+          k0, k = int((req.prompt[:a] == pid).sum()), int((req.prompt[a:b] == pid).sum())
+          rows = req.features[k0:k0 + k] if k else None
         out = self.device.prefill(slot.tile, slot.row, toks, b - a, a,
                                   self.tables[slot.tile][slot.row],
-                                  [x[0] for x in self._sampling([slot])])
+                                  [x[0] for x in self._sampling([slot])], rows)
         self.counters["prefill_calls"] += 1
         budget -= b - a
         did_work = True
@@ -485,6 +525,7 @@ class Engine:
   def _release(self, slot: _Slot, reason: str, error: str | None = None) -> None:
     """Free a slot: its pages' references, its block-table row; the request finishes."""
     req = slot.req
+    req.features = None
     self.allocator.decref(slot.pages)
     slot.req, slot.pages, slot.pieces, slot.length = None, [], [], 0
     self.tables[slot.tile][slot.row] = NULL_PAGE

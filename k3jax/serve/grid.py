@@ -62,14 +62,18 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"piece of {n} tokens exceeds the largest prefill bucket {buckets[-1]}")
 
 
-def prefix_keys(tokens: Sequence[int], points: Sequence[int], salt: bytes = b"") -> list[bytes]:
+def prefix_keys(tokens: Sequence[int], points: Sequence[int], salt: bytes = b"",
+                extra=None) -> list[bytes]:
   """Chained keys of tokens[:p] for each p in `points` (ascending): key(p) = sha256(key(prev)
-  ‖ tokens[prev:p] as int32 bytes), key(0) = sha256(salt). Equal keys ⇔ equal prefixes (up to
-  SHA-256 collisions)."""
+  ‖ tokens[prev:p] as int32 bytes [‖ extra[prev:p] as int64 bytes]), key(0) = sha256(salt).
+  `extra` [len(tokens)] int64: what else a position holds (a media placeholder: a digest of
+  its image), so that equal keys ⇔ equal prefixes (up to SHA-256 collisions)."""
   ids = np.asarray(tokens, np.int32)
+  ext = None if extra is None else np.asarray(extra, np.int64)
   key, prev, out = hashlib.sha256(salt).digest(), 0, []
   for p in points:
-    key = hashlib.sha256(key + ids[prev:p].tobytes()).digest()
+    more = b"" if ext is None else ext[prev:p].tobytes()
+    key = hashlib.sha256(key + ids[prev:p].tobytes() + more).digest()
     out.append(key)
     prev = p
   return out

@@ -39,6 +39,7 @@ from k3jax.cache import (commit_paged, kda_rows, kda_set_rows, kda_zeros, page_p
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.serve.sampling import sample_rows
+from k3jax.vision.media import MediaEmbeddings
 
 
 @dataclasses.dataclass
@@ -51,11 +52,12 @@ class Sampled:
 
 
 def _forward(config: ModelConfig, num_top: int, variables, kda, pools, table, lengths, tokens,
-             num_new, seeds, counters, temperature, top_k, top_p):
-  """`K3Model.extend` on the rows' paged cache, then each row's sample at its last real input.
+             num_new, seeds, counters, temperature, top_k, top_p, media=None):
+  """`K3Model.extend` on the rows' paged cache (`media`: MediaEmbeddings for the placeholders
+  among the tokens), then each row's sample at its last real input.
   Returns ((tokens, logprobs, top), kda, pools)."""
   cache = paged_cache(config, kda, pools, table, lengths)
-  logits, _, after = K3Model(config).apply(variables, tokens, cache, num_new,
+  logits, _, after = K3Model(config).apply(variables, tokens, cache, num_new, media,
                                            method=K3Model.extend)
   last = jnp.maximum(num_new - 1, 0)
   at_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -65,12 +67,12 @@ def _forward(config: ModelConfig, num_top: int, variables, kda, pools, table, le
 
 
 def _prefill(config, num_top, variables, kda_tile, row, pools, table, lengths, tokens, num_new,
-             seeds, counters, temperature, top_k, top_p):
+             seeds, counters, temperature, top_k, top_p, media=None):
   """`_forward` on row `row` (traced int) of a tile's KDA caches (one-row inputs)."""
   idx = row[None]
   out, one, pools = _forward(config, num_top, variables, kda_rows(kda_tile, idx), pools, table,
                              lengths, tokens, num_new, seeds, counters, temperature, top_k,
-                             top_p)
+                             top_p, media)
   return out, kda_set_rows(kda_tile, idx, one), pools
 
 
@@ -97,6 +99,8 @@ def programs(config: ModelConfig, num_top: int) -> dict:
                   donate_argnums=(0,)),
       take=jax.jit(lambda store, slot: kda_rows(store, slot[None])),
       copy_page=jax.jit(_copy_page, donate_argnums=(0,)),
+      encode=jax.jit(lambda v, media: K3Model(config).apply(v, media,
+                                                            method=K3Model.encode_media)),
   )
 
 
@@ -145,16 +149,34 @@ class DeviceState:
     return self._sampled(out)
 
   def prefill(self, tile: int, row: int, tokens, num_new: int, length: int, table_row,
-              sampling) -> Sampled:
+              sampling, media_rows=None) -> Sampled:
     """Feed tokens [bucket] (the first num_new real) to slot (tile, row) holding `length`
-    tokens; the sample at the last real token (sampling: one row's five values)."""
+    tokens; the sample at the last real token (sampling: one row's five values).
+    A multimodal model's pieces always carry media rows (one program per bucket):
+    media_rows [n, d] are the features of the piece's n placeholders, in order (None: none)."""
     seeds, counters, temp, top_k, top_p = (np.asarray([x]) for x in sampling)
+    media = None
+    if self.config.vision is not None:
+      width = len(tokens)
+      feats = jnp.zeros((1, width, self.config.d_model), jnp.float32)
+      n = 0 if media_rows is None else media_rows.shape[0]
+      if n:
+        feats = feats.at[0, :n].set(media_rows)
+      media = MediaEmbeddings(feats, _i32([n]))
+    elif media_rows is not None:
+      raise ValueError("media: the model has no vision tower (config.vision is None)")
     out, self.kda[tile], self.pools = self._p["prefill"](
         self.variables, self.kda[tile], _i32(row), self.pools, _i32(np.asarray(table_row)[None]),
         _i32([length]), _i32(np.asarray(tokens)[None]), _i32([num_new]),
         jnp.asarray(seeds, jnp.uint32), _i32(counters), jnp.asarray(temp, jnp.float32),
-        _i32(top_k), jnp.asarray(top_p, jnp.float32))
+        _i32(top_k), jnp.asarray(top_p, jnp.float32), media)
     return self._sampled(out)
+
+  def encode_media(self, media):
+    """A `Media`'s placeholder features, in order: [Σ num_merged, d] fp32 (device)."""
+    feats = self._p["encode"](self.variables, media)
+    counts = np.asarray(media.num_merged)
+    return jnp.concatenate([feats[s, :int(n)] for s, n in enumerate(counts)], axis=0)
 
   # ------------------------------------------------------------------ KDA rows and checkpoints
   def zero(self, tile: int, row: int) -> None:
