@@ -52,6 +52,8 @@ import sys
 
 from absl import app, flags
 
+from experiments.model_loading import load_model, load_tokenizer  # noqa: F401 (tests patch)
+
 _CKPT = flags.DEFINE_string("checkpoint", None, "Checkpoint / run / converted directory.")
 _PRESET = flags.DEFINE_string("preset", None, "Random-init preset when no --checkpoint.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.")
@@ -141,31 +143,6 @@ def media_prompt(cfg, tok, images, video, prompt_ids):
   for t, h, w in grid.tolist():
     ids += [cfg.media_placeholder_token_id] * ((h // 2) * (w // 2))
   return ids + list(prompt_ids), media
-
-
-def load_tokenizer(checkpoint: str | None, tokenizer: str | None, vocab_size: int):
-  from k3jax.data.tokenizers import TiktokenTokenizer
-  from k3jax.data.tokenizers import ByteTokenizer
-  path = tokenizer or (checkpoint and os.path.join(checkpoint, "tiktoken.model"))
-  if path and os.path.exists(path):
-    return TiktokenTokenizer.from_dir(path)
-  if tokenizer:
-    raise ValueError(f"--tokenizer: {tokenizer} does not exist")
-  return ByteTokenizer(vocab_size)
-
-
-def load_model(checkpoint: str | None, preset_name: str | None):
-  import jax
-  import k3jax
-  from k3jax.model import K3Model
-  if checkpoint:
-    return k3jax.load_pretrained(checkpoint)
-  if not preset_name:
-    raise ValueError("--checkpoint or --preset is required")
-  cfg = k3jax.preset(preset_name)
-  variables = jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0),
-                                        jax.numpy.zeros((1, 4), jax.numpy.int32))
-  return cfg, variables
 
 
 def main(argv):

@@ -170,6 +170,7 @@ class Update:
   finished: bool = False
   finish_reason: str | None = None
   error: str | None = None
+  record: "Request | None" = None          # the finished request (timings, cached tokens)
 
 
 @dataclasses.dataclass(eq=False)
@@ -189,6 +190,7 @@ class Request:
   finish_reason: str | None = None
   error: str | None = None
   cached_tokens: int = 0
+  keep: bool = True                       # stays in `Engine.requests` once finished
   arrived: float = 0.0
   first_token_at: float | None = None
   finished_at: float | None = None
@@ -237,7 +239,8 @@ class Engine:
     self.requests: dict[str, Request] = {}
     self._prefilling: list[_Slot] = []
     self._inbox: list[tuple[str, object]] = []
-    self._lock = threading.Lock()
+    self._lock = threading.Lock()           # the inbox and the request table
+    self._step_lock = threading.Lock()      # a step vs. `stats` from another thread
     self.wake = threading.Event()          # set by submit / cancel (an idle loop waits on it)
     self._ids = itertools.count()
     self._salt = repr(("k3jax-grid", ec.prefill_chunk, self.ec.buckets,
@@ -249,14 +252,15 @@ class Engine:
   # ------------------------------------------------------------------ the public interface
   def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams(), *,
              on_update: Callable[[Update], None] | None = None, request_id: str | None = None,
-             cache_prefix: bool = True, media=None, media_keys: Sequence[int] | None = None
-             ) -> str:
+             cache_prefix: bool = True, media=None, media_keys: Sequence[int] | None = None,
+             keep: bool = True) -> str:
     """Queue a request (any thread); ValueError naming the problem for a request that can
     never run. Returns its id. `cache_prefix=False`: neither look up nor store cache entries.
 
     media: a `k3jax.vision.media.Media` for the prompt's placeholders (a multimodal model),
     encoded once at admission; media_keys: one int64 per placeholder naming its image (a
-    digest) — the prefix keys then cover the images, else a media request is not cached."""
+    digest) — the prefix keys then cover the images, else a media request is not cached.
+    keep=False: the record is dropped when it finishes (its final `Update.record` has it)."""
     ids = np.asarray(prompt)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
       raise ValueError(f"prompt: expected a non-empty list of token ids, found shape "
@@ -277,7 +281,7 @@ class Engine:
                                       self.ec.boundary_token)]
       keyed = list(zip(points, grid.prefix_keys(ids, points, self._salt, extra)))
     rid = request_id or f"req-{next(self._ids)}"
-    req = Request(rid, ids, params, on_update, keyed, checker, media=media,
+    req = Request(rid, ids, params, on_update, keyed, checker, media=media, keep=keep,
                   arrived=time.perf_counter())
     with self._lock:
       if rid in self.requests:
@@ -325,6 +329,10 @@ class Engine:
 
   def step(self) -> bool:
     """One scheduling step (module doc); whether anything was waiting or running."""
+    with self._step_lock:
+      return self._step()
+
+  def _step(self) -> bool:
     self._take_inbox()
     if not (self.waiting or any(s.req for s in self.slots)):
       return False
@@ -348,7 +356,11 @@ class Engine:
     return self.requests.pop(request_id)
 
   def stats(self) -> dict:
-    """Gauges and counters (the server's /metrics)."""
+    """Gauges and counters (the server's /metrics); any thread."""
+    with self._step_lock:
+      return self._stats()
+
+  def _stats(self) -> dict:
     running = [s for s in self.slots if s.req]
     request_pages = {p for s in running for p in s.pages}
     return dict(
@@ -364,6 +376,10 @@ class Engine:
 
   def fail_all(self, message: str) -> None:
     """Finish every running and waiting request with "error" (after a failed step)."""
+    with self._step_lock:
+      self._fail_all(message)
+
+  def _fail_all(self, message: str) -> None:
     self._take_inbox()
     for s in self.slots:
       if s.req is not None:
@@ -374,7 +390,8 @@ class Engine:
 
   def clear_cache(self) -> None:
     """Drop every prefix-cache entry (pages held only by the cache return to the free list)."""
-    self.cache.clear()
+    with self._step_lock:
+      self.cache.clear()
 
   # ------------------------------------------------------------------ inbox and admission
   def _take_inbox(self) -> None:
@@ -537,8 +554,11 @@ class Engine:
     req.finish_reason, req.error, req.finished_at = reason, error, time.perf_counter()
     self.counters["finished"] += 1
     self.finish_counts[reason] = self.finish_counts.get(reason, 0) + 1
+    if not req.keep:
+      with self._lock:
+        self.requests.pop(req.id, None)
     if req.on_update is not None:
-      req.on_update(Update(req.id, [], [], [], True, reason, error))
+      req.on_update(Update(req.id, [], [], [], True, reason, error, req))
 
 
 class EngineLoop:
