@@ -201,8 +201,10 @@ def kda_zeros(config: ModelConfig, batch: int) -> dict:
                                 _select(Cache.zeros(config, batch, 1).stack, KDACache))
 
 
-def page_pools(config: ModelConfig, num_pages: int, page_size: int) -> dict:
-  """Zero page pools of every MLA layer, laid out like `Cache.stack` (KDA layers left out)."""
+def page_pools(config: ModelConfig, num_pages: int, page_size: int, mtp: bool = False) -> dict:
+  """Zero page pools of every MLA layer, laid out like `Cache.stack` (KDA layers left out);
+  with `mtp`, the MTP layer's pool too (key "mtp": its position i holds the MTP input built
+  from h_i and token i+1, in the same pages as the other layers' position i)."""
   mla = _select(Cache.zeros(config, 1, 1).stack, MLACache)
 
   def one(_, stacked):
@@ -211,26 +213,34 @@ def page_pools(config: ModelConfig, num_pages: int, page_size: int) -> dict:
       groups = config.stack_layout()[1]
       return jax.tree_util.tree_map(lambda a: jnp.zeros((groups,) + a.shape, a.dtype), p)
     return p
-  return _walk(mla, one)
+  pools = _walk(mla, one)
+  if mtp:
+    pools["mtp"] = MLAPages.zeros(config, num_pages, page_size)
+  return pools
 
 
-def paged_cache(config: ModelConfig, kda: dict, pools: dict, block_table, lengths) -> Cache:
+def paged_cache(config: ModelConfig, kda: dict, pools: dict, block_table, lengths,
+                mtp_lengths=None) -> Cache:
   """A `Cache` the model can extend: the rows' KDA caches (`kda`, from `kda_zeros`'s layout)
-  and each MLA layer's pages gathered per row (`pools`, from `page_pools`), B = len(lengths).
-  (No MTP cache: the engine keeps the MTP layer's latents on its own.)"""
+  and each MLA layer's pages gathered per row (`pools`, from `page_pools`), B = len(lengths);
+  the MTP layer's too when `pools` has it (`mtp_lengths` [B] its positions fed)."""
   def gather(p, stacked):
     if stacked:
       return jax.vmap(gather_pages, in_axes=(0, None))(p, block_table)
     return gather_pages(p, block_table)
   prefix, groups, _ = config.stack_layout()
-  return Cache(jnp.asarray(lengths, jnp.int32), _merge(kda, _walk(pools, gather)),
+  layers = {k: v for k, v in pools.items() if k != "mtp"}
+  mtp = gather_pages(pools["mtp"], block_table) if "mtp" in pools else None
+  return Cache(jnp.asarray(lengths, jnp.int32), _merge(kda, _walk(layers, gather)), mtp,
+               None if mtp is None else jnp.asarray(mtp_lengths, jnp.int32),
                layout=(prefix, groups, config.mla_every))
 
 
 def commit_paged(cache: Cache, pools: dict, block_table, start, count, t: int
                  ) -> tuple[dict, dict]:
   """After `K3Model.extend` of t inputs on a `paged_cache`: (the rows' KDA caches, `pools` with
-  the count[b] new latents of row b (positions start[b]…) written into its pages)."""
+  the count[b] new latents of row b (positions start[b]…) written into its pages). The MTP
+  pool, if any, is left as it is (`commit_mtp`)."""
   mla = _select(cache.stack, MLACache)
 
   def write(p, view, stacked):
@@ -240,10 +250,18 @@ def commit_paged(cache: Cache, pools: dict, block_table, start, count, t: int
     return write_pages(p, view, block_table, start, count, t)
 
   def walk(pools_, views, stacked=False):
-    return {k: walk(pools_[k], views[k], True) if k == "body" else write(pools_[k], views[k],
-                                                                         stacked)
-            for k in pools_}
+    out = dict(pools_)
+    for k in views:
+      out[k] = walk(pools_[k], views[k], True) if k == "body" else write(pools_[k], views[k],
+                                                                          stacked)
+    return out
   return _select(cache.stack, KDACache), walk(pools, mla)
+
+
+def commit_mtp(cache: Cache, pools: dict, block_table, start, count, t: int) -> dict:
+  """`pools` with the MTP layer's count[b] new entries of row b (positions start[b]…) written
+  from `cache.mtp` into its pages."""
+  return {**pools, "mtp": write_pages(pools["mtp"], cache.mtp, block_table, start, count, t)}
 
 
 def kda_rows(kda: dict, index) -> dict:
@@ -266,5 +284,5 @@ def kda_set_rows(kda: dict, index, rows: dict) -> dict:
 
 
 __all__ = ["Cache", "KDACache", "MLACache", "MLAPages", "gather_pages", "write_pages",
-           "kda_zeros", "page_pools", "paged_cache", "commit_paged", "kda_rows",
+           "kda_zeros", "page_pools", "paged_cache", "commit_paged", "commit_mtp", "kda_rows",
            "kda_set_rows"]

@@ -25,9 +25,13 @@ def _model():
   return cfg, v
 
 
+@functools.lru_cache(maxsize=None)
+def _extend_fn(cfg):
+  return jax.jit(lambda v, c, t, n: K3Model(cfg).apply(v, t, c, n, method=K3Model.extend))
+
+
 def _extend(cfg, v, cache, tokens, n):
-  return jax.jit(lambda v, c, t, n: K3Model(cfg).apply(v, t, c, n, method=K3Model.extend))(
-      v, cache, tokens, n)
+  return _extend_fn(cfg)(v, cache, tokens, n)
 
 
 def test_paged_equals_contiguous_equals_full_forward():
@@ -49,7 +53,7 @@ def test_paged_equals_contiguous_equals_full_forward():
                                 toks.shape[1])
     return logits, kda, pools
 
-  # Prefill in two chunks of 8, then decode the rest of each row one token at a time.
+  # Prefill in two chunks of 8 (rows stop at their lengths), then the rest one token a call.
   have = np.zeros(2, np.int32)
   got_p, got_c = {}, {}
   for s in (0, 8):
@@ -61,11 +65,12 @@ def test_paged_equals_contiguous_equals_full_forward():
       for t in range(n[b]):
         got_p[(b, s + t)], got_c[(b, s + t)] = np.asarray(lp[b, t]), np.asarray(lc[b, t])
     have = have + n
-  while (have < 16).any():
+  while (have < 16).any():        # then one token a call (8-wide calls: one compiled shape)
     n = (have < 16).astype(np.int32)
-    step = jnp.asarray(tokens[np.arange(2), np.minimum(have, 15)][:, None])
-    lp, kda, pools = paged_step(kda, pools, have, step, n)
-    lc, _, contiguous = _extend(cfg, v, contiguous, step, jnp.asarray(n))
+    step = np.zeros((2, 8), np.int32)
+    step[:, 0] = tokens[np.arange(2), np.minimum(have, 15)]
+    lp, kda, pools = paged_step(kda, pools, have, jnp.asarray(step), n)
+    lc, _, contiguous = _extend(cfg, v, contiguous, jnp.asarray(step), jnp.asarray(n))
     for b in np.flatnonzero(n):
       got_p[(b, have[b])], got_c[(b, have[b])] = np.asarray(lp[b, 0]), np.asarray(lc[b, 0])
     have = have + n

@@ -65,7 +65,9 @@ class EngineConfig:
     cache entries (a multiple of prefill_chunk). boundary_token: the id after which a turn
     boundary lies (a chat's `[end_of_msg]`; None: none). prefix_cache: keep and use entries;
     num_checkpoints: device checkpoint slots; host_checkpoint_bytes: host offload budget.
-    num_top_logprobs: top log-probs reported per token.
+    num_top_logprobs: top log-probs reported per token. draft_len: speculative decoding with
+    the model's MTP / EAGLE-3 draft, this many drafted tokens per round (0: off;
+    k3jax/serve/kv_spec.py).
   """
   num_slots: int = 8
   tile_rows: int = 4
@@ -81,6 +83,7 @@ class EngineConfig:
   num_checkpoints: int = 32
   host_checkpoint_bytes: int = 0
   num_top_logprobs: int = 5
+  draft_len: int = 0
 
   def __post_init__(self):
     def bad(field, msg):
@@ -105,7 +108,7 @@ class EngineConfig:
           f"{self.prefill_chunk}, found {b}")
     if self.num_pages is not None and self.num_pages < 2:
       bad("num_pages", f"expected >= 2 (page 0 is the zero page), found {self.num_pages}")
-    for f in ("num_checkpoints", "host_checkpoint_bytes", "num_top_logprobs"):
+    for f in ("num_checkpoints", "host_checkpoint_bytes", "num_top_logprobs", "draft_len"):
       if getattr(self, f) < 0:
         bad(f, f"expected >= 0, found {getattr(self, f)}")
 
@@ -227,7 +230,7 @@ class Engine:
                               rows=ec.tile_rows, num_pages=ec.pool_pages,
                               page_size=ec.page_size,
                               num_checkpoints=ec.num_checkpoints if ec.prefix_cache else 0,
-                              num_top=ec.num_top_logprobs)
+                              num_top=ec.num_top_logprobs, draft_len=ec.draft_len)
     self.allocator = PageAllocator(ec.pool_pages)
     self.cache = HybridPrefixCache(self.device, self.allocator, ec.page_size,
                                    ec.num_checkpoints if ec.prefix_cache else 0,
@@ -246,7 +249,8 @@ class Engine:
     self._salt = repr(("k3jax-grid", ec.prefill_chunk, self.ec.buckets,
                        ec.boundary_token)).encode()
     self.counters = dict(submitted=0, finished=0, prompt_tokens=0, cached_tokens=0,
-                         generated_tokens=0, steps=0, decode_calls=0, prefill_calls=0)
+                         generated_tokens=0, steps=0, decode_calls=0, prefill_calls=0,
+                         drafted=0, accepted=0)
     self.finish_counts: dict[str, int] = {}
 
   # ------------------------------------------------------------------ the public interface
@@ -268,9 +272,10 @@ class Engine:
     if ids.min() < 0 or ids.max() >= self.config.vocab_size:
       raise ValueError(f"prompt: token ids must be in [0, vocab_size={self.config.vocab_size}),"
                        f" found [{ids.min()}, {ids.max()}]")
-    if len(ids) + params.max_tokens > self.ec.max_len:
-      raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the "
-                       f"context of {self.ec.max_len} tokens")
+    if len(ids) + params.max_tokens + self.ec.draft_len > self.ec.max_len:
+      more = f" + draft_len {self.ec.draft_len}" if self.ec.draft_len else ""
+      raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens}{more} "
+                       f"exceed the context of {self.ec.max_len} tokens")
     checker = StopChecker(params.sampling, self.decode_text if params.stop_strings else None)
     ids = ids.astype(np.int32)
     extra = self._check_media(ids, media, media_keys)
@@ -427,7 +432,7 @@ class Engine:
       hit = self.cache.lookup(req.keyed, n) if req.keyed else None
       h = hit.length if hit else 0
       shared = list(hit.pages[:h // ec.page_size]) if hit else []
-      total = -(-(n + req.params.max_tokens) // ec.page_size)
+      total = -(-(n + req.params.max_tokens + ec.draft_len) // ec.page_size)
       need = total - len(shared)
       if not self.cache.evict_for(need, protect=hit):
         return                                   # wait for running requests to free pages
@@ -462,7 +467,10 @@ class Engine:
             np.array([p.top_p if p else 1.0 for p, _ in rows], np.float32))
 
   def _decode(self) -> int:
-    """One decode program per tile with a decoding slot; the number of decoded rows."""
+    """One decode program (a speculative round with draft_len) per tile with a decoding slot;
+    the number of decoded rows."""
+    if self.ec.draft_len:
+      return self._rounds()
     rows_done = 0
     r = self.ec.tile_rows
     for tile in range(len(self.tables)):
@@ -482,6 +490,33 @@ class Engine:
           self._emit(s, out, i)
     return rows_done
 
+  def _rounds(self) -> int:
+    rows_done = 0
+    r, n = self.ec.tile_rows, self.ec.draft_len
+    for tile in range(len(self.tables)):
+      members = self.slots[tile * r:(tile + 1) * r]
+      active = [s if (s.req is not None and not s.pieces) else None for s in members]
+      if not any(active):
+        continue
+      d, num, y, lps, top = self.device.round(tile, [s.length for s in members],
+                                              self.tables[tile], [s is not None for s in active],
+                                              self._sampling(active))
+      self.counters["decode_calls"] += 1
+      for i, s in enumerate(active):
+        if s is None:
+          continue
+        rows_done += 1
+        self.counters["drafted"] += n
+        self.counters["accepted"] += int(num[i])
+        s.length += int(num[i]) + 1
+        toks = [int(t) for t in d[i, :num[i]]] + [int(y[i])]
+        for j, tok in enumerate(toks):
+          tj = [] if top is None else [(int(a), float(b)) for a, b in zip(top[0][i, j],
+                                                                          top[1][i, j])]
+          if not self._emit_token(s, tok, float(lps[i, j]), tj):
+            break
+    return rows_done
+
   def _prefill(self, budget: int, did_work: bool) -> None:
     ec = self.ec
     for slot in list(self._prefilling):
@@ -498,9 +533,16 @@ class Engine:
           pid = self.config.media_placeholder_token_id
           k0, k = int((req.prompt[:a] == pid).sum()), int((req.prompt[a:b] == pid).sum())
           rows = req.features[k0:k0 + k] if k else None
-        out = self.device.prefill(slot.tile, slot.row, toks, b - a, a,
-                                  self.tables[slot.tile][slot.row],
-                                  [x[0] for x in self._sampling([slot])], rows)
+        sampling = [x[0] for x in self._sampling([slot])]
+        table = self.tables[slot.tile][slot.row]
+        if ec.draft_len:   # the MTP layer over the piece's pairs (h_i, token i+1)
+          nxt = np.zeros(width, np.int32)
+          nxt[:len(req.prompt[a + 1:b + 1])] = req.prompt[a + 1:b + 1]
+          out, h_last = self.device.spec_prefill(slot.tile, slot.row, toks, b - a, a, table,
+                                                 sampling, nxt, b - a - (b == len(req.prompt)),
+                                                 rows)
+        else:
+          out = self.device.prefill(slot.tile, slot.row, toks, b - a, a, table, sampling, rows)
         self.counters["prefill_calls"] += 1
         budget -= b - a
         did_work = True
@@ -511,33 +553,37 @@ class Engine:
           self.cache.insert(key, b, slot.pages, slot.tile, slot.row)
         if not slot.pieces:
           self._prefilling.remove(slot)
-          self._emit(slot, out, 0)
+          if self._emit(slot, out, 0) and ec.draft_len:
+            self.device.set_pend(slot.tile, slot.row, h_last, int(out.tokens[0]))
 
-  def _emit(self, slot: _Slot, out: Sampled, i: int) -> None:
-    """Pass row i's sample through slot's request's stop rules; finish it or go on."""
-    req = slot.req
-    tok = int(out.tokens[i])
-    now = time.perf_counter()
-    if req.first_token_at is None:
-      req.first_token_at = now
+  def _emit(self, slot: _Slot, out: Sampled, i: int) -> bool:
+    """Row i of a program's samples through `_emit_token`."""
     top = [] if out.top_ids is None else [(int(a), float(b)) for a, b in
                                           zip(out.top_ids[i], out.top_logprobs[i])]
+    return self._emit_token(slot, int(out.tokens[i]), float(out.logprobs[i]), top)
+
+  def _emit_token(self, slot: _Slot, tok: int, logprob: float, top: list) -> bool:
+    """Pass a sampled token through the slot's request's stop rules; finish it (False) or
+    go on (True)."""
+    req = slot.req
+    if req.first_token_at is None:
+      req.first_token_at = time.perf_counter()
     stopped = req.checker.add(tok)
     emitted = [] if req.checker.reason == "stop_token" else [tok]
     if emitted:
       req.tokens.append(tok)
-      req.logprobs.append(float(out.logprobs[i]))
+      req.logprobs.append(logprob)
       req.top.append(top)
       self.counters["generated_tokens"] += 1
     reason = "stop" if stopped else (
         "length" if len(req.tokens) >= req.params.max_tokens else None)
-    if req.on_update is not None:
-      req.on_update(Update(req.id, emitted, [req.logprobs[-1]] if emitted else [],
-                           [top] if emitted else []))
+    if req.on_update is not None and emitted:
+      req.on_update(Update(req.id, emitted, [logprob], [top]))
     if reason is not None:
       self._release(slot, reason)
-    else:
-      slot.next_token = tok
+      return False
+    slot.next_token = tok
+    return True
 
   def _release(self, slot: _Slot, reason: str, error: str | None = None) -> None:
     """Free a slot: its pages' references, its block-table row; the request finishes."""

@@ -117,17 +117,29 @@ class DeviceState:
   """
 
   def __init__(self, config: ModelConfig, variables, *, num_tiles: int, rows: int,
-               num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5):
+               num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5,
+               draft_len: int = 0):
     self.config = config.for_inference()
     v = nn.meta.unbox(dict(variables))
     self.variables = jax.device_put({k: v[k] for k in v if k in ("params", "balance")})
     self.rows = rows
     self.num_top = num_top
-    self.pools = page_pools(self.config, num_pages, page_size)
+    self.draft_len = draft_len
+    self.pools = page_pools(self.config, num_pages, page_size, mtp=draft_len > 0)
     self.kda = [kda_zeros(self.config, rows) for _ in range(num_tiles)]
     self.store = kda_zeros(self.config, num_checkpoints) if num_checkpoints else None
     self._zero_row = kda_zeros(self.config, 1)
     self._p = programs(self.config, num_top)
+    if draft_len:
+      from k3jax.serve import kv_spec
+      if not self.config.num_mtp_layers:
+        raise ValueError("draft_len: speculative decoding needs the model's MTP layer "
+                         "(config.num_mtp_layers=1), found 0")
+      self._s = kv_spec.programs(self.config, draft_len, num_top)
+      d = self.config.d_model
+      self.pend = [(jnp.zeros((rows, draft_len + 1, d), jnp.float32),
+                    jnp.zeros((rows, draft_len + 1), jnp.int32), jnp.zeros((rows,), jnp.int32))
+                   for _ in range(num_tiles)]
 
   # ------------------------------------------------------------------ forward programs
   def _sampled(self, out) -> Sampled:
@@ -155,22 +167,55 @@ class DeviceState:
     A multimodal model's pieces always carry media rows (one program per bucket):
     media_rows [n, d] are the features of the piece's n placeholders, in order (None: none)."""
     seeds, counters, temp, top_k, top_p = (np.asarray([x]) for x in sampling)
-    media = None
-    if self.config.vision is not None:
-      width = len(tokens)
-      feats = jnp.zeros((1, width, self.config.d_model), jnp.float32)
-      n = 0 if media_rows is None else media_rows.shape[0]
-      if n:
-        feats = feats.at[0, :n].set(media_rows)
-      media = MediaEmbeddings(feats, _i32([n]))
-    elif media_rows is not None:
-      raise ValueError("media: the model has no vision tower (config.vision is None)")
+    media = self._media(len(tokens), media_rows)
     out, self.kda[tile], self.pools = self._p["prefill"](
         self.variables, self.kda[tile], _i32(row), self.pools, _i32(np.asarray(table_row)[None]),
         _i32([length]), _i32(np.asarray(tokens)[None]), _i32([num_new]),
         jnp.asarray(seeds, jnp.uint32), _i32(counters), jnp.asarray(temp, jnp.float32),
         _i32(top_k), jnp.asarray(top_p, jnp.float32), media)
     return self._sampled(out)
+
+  def _media(self, width: int, media_rows):
+    """The MediaEmbeddings a multimodal model's piece carries (None for a text-only model)."""
+    if self.config.vision is None:
+      if media_rows is not None:
+        raise ValueError("media: the model has no vision tower (config.vision is None)")
+      return None
+    feats = jnp.zeros((1, width, self.config.d_model), jnp.float32)
+    n = 0 if media_rows is None else media_rows.shape[0]
+    if n:
+      feats = feats.at[0, :n].set(media_rows)
+    return MediaEmbeddings(feats, _i32([n]))
+
+  # ------------------------------------------------------------------ speculative decoding
+  def spec_prefill(self, tile: int, row: int, tokens, num_new: int, length: int, table_row,
+                   sampling, next_tokens, draft_n: int, media_rows=None):
+    """`prefill`, then the MTP layer over the piece's first draft_n pairs (h_i,
+    next_tokens[i]) (k3jax/serve/kv_spec.py). Returns (Sampled, hidden at the last real
+    token [d] (device))."""
+    seeds, counters, temp, top_k, top_p = (np.asarray([x]) for x in sampling)
+    out, h, self.kda[tile], self.pools = self._s["prefill"](
+        self.variables, self.kda[tile], _i32(row), self.pools, _i32(np.asarray(table_row)[None]),
+        _i32([length]), _i32(np.asarray(tokens)[None]), _i32([num_new]),
+        _i32(np.asarray(next_tokens)[None]), _i32([draft_n]), jnp.asarray(seeds, jnp.uint32),
+        _i32(counters), jnp.asarray(temp, jnp.float32), _i32(top_k),
+        jnp.asarray(top_p, jnp.float32), self._media(len(tokens), media_rows))
+    return self._sampled(out), h[0]
+
+  def set_pend(self, tile: int, row: int, h, token: int) -> None:
+    """Slot (tile, row)'s pending pairs ← (h, token): what the first round drafts from."""
+    self.pend[tile] = self._s["set_pend"](self.pend[tile], _i32(row), h, _i32(token))
+
+  def round(self, tile: int, lengths, table, active, sampling):
+    """One speculative round for tile `tile` → (drafts [rows, n], accepted [rows], next
+    [rows], logprobs [rows, n+1], top ids / logprobs [rows, n+1, k] or None), host arrays."""
+    seeds, counters, temp, top_k, top_p = sampling
+    d, num, y, lps, top, self.kda[tile], self.pools, self.pend[tile] = self._s["round"](
+        self.variables, self.kda[tile], self.pools, self.pend[tile], _i32(table), _i32(lengths),
+        jnp.asarray(np.asarray(active, bool)), jnp.asarray(seeds, jnp.uint32), _i32(counters),
+        jnp.asarray(temp, jnp.float32), _i32(top_k), jnp.asarray(top_p, jnp.float32))
+    top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
+    return np.asarray(d), np.asarray(num), np.asarray(y), np.asarray(lps), top
 
   def encode_media(self, media):
     """A `Media`'s placeholder features, in order: [Σ num_merged, d] fp32 (device)."""

@@ -33,7 +33,8 @@ def test_matches_generate_and_the_full_forward():
   assert [r.tokens for r in out] == ref
   fwd = jax.jit(K3Model(cfg.for_inference()).apply)
   for p, r in zip(prompts, out):
-    seq = np.asarray([p + r.tokens])
+    seq = np.zeros((1, 80), np.int32)           # one compiled length (causal: the tail is inert)
+    seq[0, :len(p) + len(r.tokens)] = p + r.tokens
     logp = np.asarray(jax.nn.log_softmax(fwd(v, seq)[0], -1))
     want = [logp[len(p) - 1 + i, t] for i, t in enumerate(r.tokens)]
     np.testing.assert_allclose(r.logprobs, want, atol=1e-4)
@@ -143,3 +144,40 @@ def test_lru_eviction_under_page_pressure():
   assert eng.generate([ps[2]], RequestParams(max_tokens=2))[0].cached_tokens == 32
   eng.allocator.decref(held)
   _baseline(eng)
+
+
+def test_speculative_rounds():
+  """draft_len=2: MTP draft / verify rounds per slot (rejection-exact: greedy tokens are the
+  plain engine's), sampled rounds, pages back to the baseline."""
+  rng = np.random.default_rng(6)
+  prompts = [prompt(rng, n) for n in (7, 45)]
+  plain = engine().generate(prompts, RequestParams(max_tokens=6))
+  eng = engine(draft_len=2, prefill_buckets=(32,))     # one compiled piece: 32 tokens
+  spec = eng.generate(prompts, RequestParams(max_tokens=6))
+  assert [r.tokens for r in spec] == [r.tokens for r in plain]
+  np.testing.assert_allclose([r.logprobs for r in spec], [r.logprobs for r in plain], atol=1e-4)
+  assert eng.counters["drafted"] > 0
+  sampled = eng.generate(prompts, RequestParams(max_tokens=6, temperature=1.0, seed=2))
+  assert all(len(r.tokens) == 6 or r.finish_reason == "stop" for r in sampled)
+  _baseline(eng)
+
+
+def test_packed_mxfp4_experts():
+  """`expert_format="mxfp4"` (the release's packed experts) through the engine: its greedy
+  tokens and log-probs are those of the full forward of the same packed model."""
+  from k3jax.serve.engine import Engine
+  from serve.engine_fixtures import ENGINE
+  import dataclasses
+  cfg, v = model("tiny", expert_format="mxfp4", num_layers=2)
+  rng = np.random.default_rng(7)
+  prompts = [prompt(rng, n) for n in (9, 40)]
+  eng = Engine(cfg, v, dataclasses.replace(ENGINE, prefill_buckets=(32,)))
+  out = eng.generate(prompts, RequestParams(max_tokens=4))
+  fwd = jax.jit(K3Model(cfg.for_inference()).apply)
+  for p, r in zip(prompts, out):
+    seq = np.zeros((1, 48), np.int32)           # one compiled length (causal: the tail is inert)
+    seq[0, :len(p) + len(r.tokens)] = p + r.tokens
+    logp = np.asarray(jax.nn.log_softmax(fwd(v, seq)[0], -1))
+    rows = logp[len(p) - 1:len(p) - 1 + len(r.tokens)]
+    assert r.tokens == rows.argmax(-1).tolist()
+    np.testing.assert_allclose(r.logprobs, rows[np.arange(len(r.tokens)), r.tokens], atol=1e-4)

@@ -93,7 +93,7 @@ def test_moe_rows_are_independent():
   rng = np.random.default_rng(0)
   v = nn.meta.unbox(moe.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, cfg.d_model))))
   apply = jax.jit(moe.apply)
-  for shape in ((2, 1), (1, 32), (6, 1)):
+  for shape in ((2, 1), (1, 32)):
     x0 = rng.standard_normal(cfg.d_model).astype(np.float32)
     outs = set()
     for trial in range(4):
