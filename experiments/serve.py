@@ -20,7 +20,8 @@ The engine (k3jax/serve/engine.py): --num_slots concurrent requests in decode ti
 (--num_pages, default: enough for every slot twice); prefill in pieces of at most
 --prefill_chunk tokens on a fixed grid, --step_tokens per step; prefix-cache checkpoints every
 --checkpoint_interval tokens and at every chat turn boundary, --num_checkpoints on device,
---host_offload_mb on the host (0: none); --no_prefix_cache turns it off.
+--host_offload_mb on the host (0: none); --no_prefix_cache turns it off. --draft_len=n:
+speculative decoding with the model's MTP (or EAGLE-3) draft, n drafted tokens per round.
 """
 
 from __future__ import annotations
@@ -50,14 +51,19 @@ def define_flags() -> None:
   d.DEFINE_integer("num_checkpoints", 32, "Device checkpoint slots.")
   d.DEFINE_integer("host_offload_mb", 0, "Host memory for offloaded checkpoints (MiB).")
   d.DEFINE_bool("no_prefix_cache", False, "Turn the prefix cache off.")
+  d.DEFINE_integer("draft_len", 0, "Speculative decoding with the model's MTP / EAGLE-3 "
+                   "draft: drafted tokens per round (0: off).")
+  d.DEFINE_integer("prefill_rows", 4, "Pieces (of different requests) per prefill program.")
   d.DEFINE_integer("max_images", 4, "Images per request.")
   d.DEFINE_integer("default_max_tokens", 256,
                    "max_tokens when a request gives none (capped by the context).")
 
 
-def build(checkpoint=None, preset=None, tokenizer=None, model_name=None, **engine_kw):
-  """(app, engine): the FastAPI app over a started engine loop (module doc). engine_kw:
-  `EngineConfig` fields (num_slots, max_len, …) plus max_images and default_max_tokens."""
+def build(checkpoint=None, preset=None, tokenizer=None, model_name=None, warmup=True,
+          **engine_kw):
+  """(app, engine): the FastAPI app over a started engine loop (module doc), every program
+  compiled first with `warmup`. engine_kw: `EngineConfig` fields (num_slots, max_len, …) plus
+  max_images and default_max_tokens."""
   from experiments.model_loading import load_model, load_tokenizer
   from k3jax.data.chat_tokens import ChatEncoder
   from k3jax.serve.engine import Engine, EngineConfig
@@ -70,6 +76,8 @@ def build(checkpoint=None, preset=None, tokenizer=None, model_name=None, **engin
   encoder = ChatEncoder(tok, media_id=cfg.media_placeholder_token_id)
   ec = EngineConfig(boundary_token=encoder.end_id, **engine_kw)
   engine = Engine(cfg, variables, ec, decode=tok.decode)
+  if warmup:
+    engine.warmup()
   name = model_name or (os.path.basename(os.path.normpath(checkpoint)) if checkpoint else preset)
   eos = getattr(tok, "eos_id", None)
   protocol = Protocol(model_name=name, tokenizer=tok, encoder=encoder, max_len=ec.max_len,
@@ -91,7 +99,7 @@ def main(argv):
       prefill_chunk=f.prefill_chunk, step_tokens=f.step_tokens,
       checkpoint_interval=f.checkpoint_interval, num_checkpoints=f.num_checkpoints,
       host_checkpoint_bytes=f.host_offload_mb << 20, prefix_cache=not f.no_prefix_cache,
-      max_images=f.max_images, default_max_tokens=f.default_max_tokens)
+      draft_len=f.draft_len, prefill_rows=f.prefill_rows, max_images=f.max_images, default_max_tokens=f.default_max_tokens)
   print(f"[serve] http://{f.host}:{f.port}/v1 ready", flush=True)
   uvicorn.run(application, host=f.host, port=f.port, log_level="info")
 

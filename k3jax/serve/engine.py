@@ -21,14 +21,16 @@ A step (`step`):
   3. decode: every tile with a decoding slot runs the decode program once (one token per row);
   4. prefill: the prefilling slots, in admission order, run their next pieces (`grid.pieces`:
      split at the grid, at turn boundaries and at the prompt's end, from p) while the step's
-     token budget (`step_tokens`, less the decode rows) lasts — at least one piece per step.
+     token budget (`step_tokens`, less the decode rows) lasts — at least one piece per step;
+     the oldest slot's next piece shares its program with up to `prefill_rows` − 1 other
+     slots' next pieces of the same bucket.
      After a piece ending at a checkpoint point the slot's caches become a cache entry; the
      prompt's last piece samples the first token.
 Sampled tokens pass the request's stop rules (stop tokens, stop strings, `max_tokens`); a
 finished or cancelled request frees its slot and its pages' references at once.
 
 Compiled shapes are fixed: decode compiles once ([tile_rows, 1]), prefill once per bucket
-([1, b] for b in `prefill_buckets`), whatever the traffic. With that, and row-independent
+([prefill_rows, b] for b in `prefill_buckets`), whatever the traffic. With that, and row-independent
 programs (k3jax/serve/kv.py), a request's tokens and log-probs do not depend on what else runs,
 in which slot, with which budget, or on a prefix-cache hit (the grid makes a hit compute what a
 miss does; docs/notes/serve.md).
@@ -47,7 +49,7 @@ import numpy as np
 from k3jax.config import ModelConfig
 from k3jax.serve import grid
 from k3jax.serve.hybrid_cache import Entry, HybridPrefixCache
-from k3jax.serve.kv import DeviceState, Sampled
+from k3jax.serve.kv import DeviceState, Piece, Sampled
 from k3jax.serve.pages import NULL_PAGE, PageAllocator
 from k3jax.serve.sampling import SamplingParams, StopChecker
 
@@ -60,7 +62,8 @@ class EngineConfig:
     program. max_len: tokens per request (prompt + generated). page_size: tokens per MLA page;
     num_pages: the page pool (default: every slot's max_len, plus as many again for the
     prefix cache). prefill_chunk: the grid (longest piece); prefill_buckets: the compiled
-    piece lengths (default: powers of two from 16 up to prefill_chunk). step_tokens: a step's
+    piece lengths (default: powers of two from 16 up to prefill_chunk); prefill_rows: pieces
+    (of one bucket, from different slots) per prefill program. step_tokens: a step's
     token budget (decode rows + prefill pieces). checkpoint_interval: grid points kept as
     cache entries (a multiple of prefill_chunk). boundary_token: the id after which a turn
     boundary lies (a chat's `[end_of_msg]`; None: none). prefix_cache: keep and use entries;
@@ -84,12 +87,13 @@ class EngineConfig:
   host_checkpoint_bytes: int = 0
   num_top_logprobs: int = 5
   draft_len: int = 0
+  prefill_rows: int = 4
 
   def __post_init__(self):
     def bad(field, msg):
       raise ValueError(f"EngineConfig.{field}: {msg}")
     for f in ("num_slots", "tile_rows", "max_len", "page_size", "prefill_chunk", "step_tokens",
-              "checkpoint_interval"):
+              "checkpoint_interval", "prefill_rows"):
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         bad(f, f"expected a positive int, found {v!r}")
@@ -230,7 +234,8 @@ class Engine:
                               rows=ec.tile_rows, num_pages=ec.pool_pages,
                               page_size=ec.page_size,
                               num_checkpoints=ec.num_checkpoints if ec.prefix_cache else 0,
-                              num_top=ec.num_top_logprobs, draft_len=ec.draft_len)
+                              num_top=ec.num_top_logprobs, draft_len=ec.draft_len,
+                              prefill_rows=ec.prefill_rows)
     self.allocator = PageAllocator(ec.pool_pages)
     self.cache = HybridPrefixCache(self.device, self.allocator, ec.page_size,
                                    ec.num_checkpoints if ec.prefix_cache else 0,
@@ -517,44 +522,87 @@ class Engine:
             break
     return rows_done
 
+  def _piece(self, slot: _Slot) -> Piece:
+    """The host inputs of slot's next piece."""
+    ec, req = self.ec, slot.req
+    a, b = slot.pieces[0]
+    width = grid.bucket(b - a, ec.buckets)
+    toks = np.zeros(width, np.int32)
+    toks[:b - a] = req.prompt[a:b]
+    rows = None
+    if req.features is not None:
+      pid = self.config.media_placeholder_token_id
+      k0, k = int((req.prompt[:a] == pid).sum()), int((req.prompt[a:b] == pid).sum())
+      rows = req.features[k0:k0 + k] if k else None
+    piece = Piece(slot.tile, slot.row, toks, b - a, a, self.tables[slot.tile][slot.row],
+                  tuple(x[0] for x in self._sampling([slot])), rows)
+    if ec.draft_len:   # the MTP layer's pairs (h_i, token i+1): the last one waits for a sample
+      nxt = req.prompt[a + 1:b + 1]
+      piece.next_tokens = np.zeros(width, np.int32)
+      piece.next_tokens[:len(nxt)] = nxt
+      piece.draft_n = b - a - (b == len(req.prompt))
+    return piece
+
   def _prefill(self, budget: int, did_work: bool) -> None:
+    """Pieces while the budget lasts: the oldest prefilling slot's next piece, with up to
+    prefill_rows − 1 other slots' next pieces of the same bucket in the same program."""
     ec = self.ec
-    for slot in list(self._prefilling):
-      while slot.req is not None and slot.pieces:
-        a, b = slot.pieces[0]
-        if b - a > budget and did_work:
-          return
+    while True:
+      ready = [s for s in self._prefilling if s.req is not None and s.pieces]
+      if not ready:
+        return
+      size = lambda s: s.pieces[0][1] - s.pieces[0][0]   # noqa: E731
+      if size(ready[0]) > budget and did_work:
+        return
+      width = grid.bucket(size(ready[0]), ec.buckets)
+      group, used = [], 0
+      for s in ready:
+        if len(group) < ec.prefill_rows and grid.bucket(size(s), ec.buckets) == width and (
+            not group or used + size(s) <= budget):
+          group.append(s)
+          used += size(s)
+      out, hidden = self.device.prefill([self._piece(s) for s in group])
+      self.counters["prefill_calls"] += 1
+      budget -= used
+      did_work = True
+      for i, slot in enumerate(group):
         req = slot.req
-        width = grid.bucket(b - a, ec.buckets)
-        toks = np.zeros(width, np.int32)
-        toks[:b - a] = req.prompt[a:b]
-        rows = None
-        if req.features is not None:
-          pid = self.config.media_placeholder_token_id
-          k0, k = int((req.prompt[:a] == pid).sum()), int((req.prompt[a:b] == pid).sum())
-          rows = req.features[k0:k0 + k] if k else None
-        sampling = [x[0] for x in self._sampling([slot])]
-        table = self.tables[slot.tile][slot.row]
-        if ec.draft_len:   # the MTP layer over the piece's pairs (h_i, token i+1)
-          nxt = np.zeros(width, np.int32)
-          nxt[:len(req.prompt[a + 1:b + 1])] = req.prompt[a + 1:b + 1]
-          out, h_last = self.device.spec_prefill(slot.tile, slot.row, toks, b - a, a, table,
-                                                 sampling, nxt, b - a - (b == len(req.prompt)),
-                                                 rows)
-        else:
-          out = self.device.prefill(slot.tile, slot.row, toks, b - a, a, table, sampling, rows)
-        self.counters["prefill_calls"] += 1
-        budget -= b - a
-        did_work = True
-        slot.pieces.pop(0)
+        a, b = slot.pieces.pop(0)
         slot.length = b
         key = dict(req.keyed).get(b)
         if key is not None:
           self.cache.insert(key, b, slot.pages, slot.tile, slot.row)
         if not slot.pieces:
           self._prefilling.remove(slot)
-          if self._emit(slot, out, 0) and ec.draft_len:
-            self.device.set_pend(slot.tile, slot.row, h_last, int(out.tokens[0]))
+          if self._emit(slot, out, i) and ec.draft_len:
+            self.device.set_pend(slot.tile, slot.row, hidden[i], int(out.tokens[i]))
+
+  def warmup(self) -> None:
+    """Compile every program now (decode, each prefill bucket, the row and page copies) with
+    no effect on any slot; a server calls it before it takes requests."""
+    with self._step_lock:
+      ec, d = self.ec, self.device
+      zero = (np.zeros(1, np.uint32), np.zeros(1, np.int32), np.zeros(1, np.float32),
+              np.zeros(1, np.int32), np.ones(1, np.float32))
+      rows = ec.tile_rows
+      table = np.zeros((rows, ec.pages_per_seq), np.int32)
+      idle = [np.zeros(rows, x.dtype) for x in zero]
+      if ec.draft_len:
+        d.round(0, np.zeros(rows, np.int32), table, np.zeros(rows, bool), idle)
+      else:
+        d.decode(0, np.zeros(rows, np.int32), np.zeros(rows, np.int32), table,
+                 np.zeros(rows, bool), idle)
+      for width in ec.buckets:
+        piece = Piece(0, 0, np.zeros(width, np.int32), 0, 0, table[0],
+                      tuple(x[0] for x in zero))
+        if ec.draft_len:
+          piece.next_tokens = np.zeros(width, np.int32)
+        d.prefill([piece])
+      if d.store is not None:
+        d.save(0, 0, 0)
+        d.load(0, 0, 0)
+      d.zero(0, 0)
+      d.copy_page(0, 0)
 
   def _emit(self, slot: _Slot, out: Sampled, i: int) -> bool:
     """Row i of a program's samples through `_emit_token`."""

@@ -9,15 +9,17 @@ State (all device arrays):
   store      `num_checkpoints` KDA checkpoints (the prefix cache's device slots), same layout.
 
 Programs (jitted once per shape, shared by every engine of one config, state donated):
-  decode     one token for each row of a tile: [rows, 1] → sampled token and log-prob per row;
-  prefill    one piece of one slot: [1, bucket] (its real tokens first) → the sample at the
-             piece's last real token;
-  save / load / zero / to_host / from_host   a slot's KDA row ↔ a checkpoint;
+  forward    `K3Model.extend` on rows of a paged cache, then each row's sample at its last real
+             input. It runs as decode — one token for each row of a tile, [rows, 1] — and as
+             prefill — up to `prefill_rows` pieces of one bucket, [prefill_rows, bucket], on
+             the staging rows `stage` (each piece's slot row is copied in, and back after);
+  copy_row   one row of KDA caches to another array (staging, checkpoints, a cold start);
   copy_page  one page of every MLA pool (copy-on-write of a shared, partly filled page).
 
 Why a row's result is the same whatever shares its program (batch invariance, docs/notes/
 serve.md): every program has a fixed shape whatever the number of slots or requests — a
-decode is always one tile of `rows` rows, a piece always one row of its bucket — and every
+decode is always one tile of `rows` rows, a piece always one of `prefill_rows` rows of its bucket
+— and every
 operation in it is row-independent: per-row norms, KDA and attention, matmuls whose reduction
 runs over the contracted axis alone (XLA:CPU's dot of a fixed shape gives a row the same bits at
 any position and beside any other rows; tests/serve/test_invariance.py holds the whole model to
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -40,6 +43,24 @@ from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.serve.sampling import sample_rows
 from k3jax.vision.media import MediaEmbeddings
+
+
+@dataclasses.dataclass
+class Piece:
+  """One prefill piece of one slot: tokens [width] (the first num_new real) fed to slot
+  (tile, row), which holds `length` tokens; its block-table row; its sampling values (seed,
+  counter, temperature, top_k, top_p); the features of the placeholders among the tokens
+  ([n, d] or None); with a draft, the token after each input and how many pairs to feed."""
+  tile: int
+  row: int
+  tokens: np.ndarray
+  num_new: int
+  length: int
+  table_row: np.ndarray
+  sampling: tuple
+  media_rows: object = None
+  next_tokens: np.ndarray | None = None
+  draft_n: int = 0
 
 
 @dataclasses.dataclass
@@ -66,16 +87,6 @@ def _forward(config: ModelConfig, num_top: int, variables, kda, pools, table, le
   return out, kda, pools
 
 
-def _prefill(config, num_top, variables, kda_tile, row, pools, table, lengths, tokens, num_new,
-             seeds, counters, temperature, top_k, top_p, media=None):
-  """`_forward` on row `row` (traced int) of a tile's KDA caches (one-row inputs)."""
-  idx = row[None]
-  out, one, pools = _forward(config, num_top, variables, kda_rows(kda_tile, idx), pools, table,
-                             lengths, tokens, num_new, seeds, counters, temperature, top_k,
-                             top_p, media)
-  return out, kda_set_rows(kda_tile, idx, one), pools
-
-
 def _copy_page(pools, src, dst):
   def one(a):   # [P, page, C], or [groups, P, page, C] in the scanned body
     if a.ndim == 4:
@@ -89,12 +100,9 @@ def programs(config: ModelConfig, num_top: int) -> dict:
   """The jitted programs of one config (shared by every engine of it: one compilation per
   shape). State arguments are donated."""
   return dict(
-      decode=jax.jit(functools.partial(_forward, config, num_top), donate_argnums=(1, 2)),
-      prefill=jax.jit(functools.partial(_prefill, config, num_top), donate_argnums=(1, 3)),
-      save=jax.jit(lambda store, kda, row, slot: kda_set_rows(
-          store, slot[None], kda_rows(kda, row[None])), donate_argnums=(0,)),
-      load=jax.jit(lambda kda, row, store, slot: kda_set_rows(
-          kda, row[None], kda_rows(store, slot[None])), donate_argnums=(0,)),
+      forward=jax.jit(functools.partial(_forward, config, num_top), donate_argnums=(1, 2)),
+      copy_row=jax.jit(lambda dst, i, src, j: kda_set_rows(dst, i[None], kda_rows(src, j[None])),
+                       donate_argnums=(0,)),
       put=jax.jit(lambda kda, row, rows: kda_set_rows(kda, row[None], rows),
                   donate_argnums=(0,)),
       take=jax.jit(lambda store, slot: kda_rows(store, slot[None])),
@@ -118,7 +126,7 @@ class DeviceState:
 
   def __init__(self, config: ModelConfig, variables, *, num_tiles: int, rows: int,
                num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5,
-               draft_len: int = 0):
+               draft_len: int = 0, prefill_rows: int = 1):
     self.config = config.for_inference()
     v = nn.meta.unbox(dict(variables))
     self.variables = jax.device_put({k: v[k] for k in v if k in ("params", "balance")})
@@ -128,6 +136,8 @@ class DeviceState:
     self.pools = page_pools(self.config, num_pages, page_size, mtp=draft_len > 0)
     self.kda = [kda_zeros(self.config, rows) for _ in range(num_tiles)]
     self.store = kda_zeros(self.config, num_checkpoints) if num_checkpoints else None
+    self.prefill_rows = prefill_rows
+    self.stage = kda_zeros(self.config, prefill_rows)
     self._zero_row = kda_zeros(self.config, 1)
     self._p = programs(self.config, num_top)
     if draft_len:
@@ -153,55 +163,69 @@ class DeviceState:
     sampling = (seeds, counters, temperature, top_k, top_p) per row. Inactive rows change no
     cache."""
     seeds, counters, temp, top_k, top_p = sampling
-    out, self.kda[tile], self.pools = self._p["decode"](
+    out, self.kda[tile], self.pools = self._p["forward"](
         self.variables, self.kda[tile], self.pools, _i32(table), _i32(lengths),
         _i32(np.asarray(tokens)[:, None]), _i32(active), jnp.asarray(seeds, jnp.uint32),
         _i32(counters), jnp.asarray(temp, jnp.float32), _i32(top_k), jnp.asarray(top_p,
                                                                                  jnp.float32))
     return self._sampled(out)
 
-  def prefill(self, tile: int, row: int, tokens, num_new: int, length: int, table_row,
-              sampling, media_rows=None) -> Sampled:
-    """Feed tokens [bucket] (the first num_new real) to slot (tile, row) holding `length`
-    tokens; the sample at the last real token (sampling: one row's five values).
-    A multimodal model's pieces always carry media rows (one program per bucket):
-    media_rows [n, d] are the features of the piece's n placeholders, in order (None: none)."""
-    seeds, counters, temp, top_k, top_p = (np.asarray([x]) for x in sampling)
-    media = self._media(len(tokens), media_rows)
-    out, self.kda[tile], self.pools = self._p["prefill"](
-        self.variables, self.kda[tile], _i32(row), self.pools, _i32(np.asarray(table_row)[None]),
-        _i32([length]), _i32(np.asarray(tokens)[None]), _i32([num_new]),
-        jnp.asarray(seeds, jnp.uint32), _i32(counters), jnp.asarray(temp, jnp.float32),
-        _i32(top_k), jnp.asarray(top_p, jnp.float32), media)
-    return self._sampled(out)
+  def prefill(self, pieces: Sequence[Piece]):
+    """Run up to `prefill_rows` pieces of one width in one program: each piece's slot row is
+    copied to the staging rows, prefilled, copied back. Returns (Sampled over the staging
+    rows — row i is pieces[i]'s sample at its last real token —, and with a draft the hidden
+    state at each piece's last real token [rows, d] (device), else None)."""
+    p = self.prefill_rows
+    if not 1 <= len(pieces) <= p or len({len(x.tokens) for x in pieces}) != 1:
+      raise ValueError(f"prefill: 1 to {p} pieces of one width, found "
+                       f"{[len(x.tokens) for x in pieces]}")
+    width = len(pieces[0].tokens)
+    m = len(pieces[0].table_row)
+    tokens, nxt = np.zeros((p, width), np.int32), np.zeros((p, width), np.int32)
+    num_new, draft_n, lengths = (np.zeros(p, np.int32) for _ in range(3))
+    table = np.zeros((p, m), np.int32)
+    samp = [np.zeros(p, np.uint32), np.zeros(p, np.int32), np.zeros(p, np.float32),
+            np.zeros(p, np.int32), np.ones(p, np.float32)]
+    for i, x in enumerate(pieces):
+      self.stage = self._p["copy_row"](self.stage, _i32(i), self.kda[x.tile], _i32(x.row))
+      tokens[i], num_new[i], lengths[i], table[i] = x.tokens, x.num_new, x.length, x.table_row
+      for k in range(5):
+        samp[k][i] = x.sampling[k]
+      if x.next_tokens is not None:
+        nxt[i], draft_n[i] = x.next_tokens, x.draft_n
+    args = (_i32(table), _i32(lengths), _i32(tokens), _i32(num_new))
+    sampling = (jnp.asarray(samp[0], jnp.uint32), _i32(samp[1]), jnp.asarray(samp[2]),
+                _i32(samp[3]), jnp.asarray(samp[4]))
+    media = self._media(width, [x.media_rows for x in pieces])
+    h = None
+    if self.draft_len:
+      out, h, self.stage, self.pools = self._s["prefill"](
+          self.variables, self.stage, self.pools, *args, _i32(nxt), _i32(draft_n), *sampling,
+          media)
+    else:
+      out, self.stage, self.pools = self._p["forward"](self.variables, self.stage, self.pools,
+                                                       *args, *sampling, media)
+    for i, x in enumerate(pieces):
+      self.kda[x.tile] = self._p["copy_row"](self.kda[x.tile], _i32(x.row), self.stage, _i32(i))
+    return self._sampled(out), h
 
   def _media(self, width: int, media_rows):
-    """The MediaEmbeddings a multimodal model's piece carries (None for a text-only model)."""
+    """The MediaEmbeddings of a multimodal model's prefill (every call carries them: one
+    program per bucket): row i's first n_i features are pieces[i]'s placeholders' (its
+    `media_rows`, [n_i, d] or None). None for a text-only model."""
     if self.config.vision is None:
-      if media_rows is not None:
+      if any(r is not None for r in media_rows):
         raise ValueError("media: the model has no vision tower (config.vision is None)")
       return None
-    feats = jnp.zeros((1, width, self.config.d_model), jnp.float32)
-    n = 0 if media_rows is None else media_rows.shape[0]
-    if n:
-      feats = feats.at[0, :n].set(media_rows)
-    return MediaEmbeddings(feats, _i32([n]))
+    feats = jnp.zeros((self.prefill_rows, width, self.config.d_model), jnp.float32)
+    counts = np.zeros(self.prefill_rows, np.int32)
+    for i, r in enumerate(media_rows):
+      if r is not None and r.shape[0]:
+        feats = feats.at[i, :r.shape[0]].set(r)
+        counts[i] = r.shape[0]
+    return MediaEmbeddings(feats, _i32(counts))
 
   # ------------------------------------------------------------------ speculative decoding
-  def spec_prefill(self, tile: int, row: int, tokens, num_new: int, length: int, table_row,
-                   sampling, next_tokens, draft_n: int, media_rows=None):
-    """`prefill`, then the MTP layer over the piece's first draft_n pairs (h_i,
-    next_tokens[i]) (k3jax/serve/kv_spec.py). Returns (Sampled, hidden at the last real
-    token [d] (device))."""
-    seeds, counters, temp, top_k, top_p = (np.asarray([x]) for x in sampling)
-    out, h, self.kda[tile], self.pools = self._s["prefill"](
-        self.variables, self.kda[tile], _i32(row), self.pools, _i32(np.asarray(table_row)[None]),
-        _i32([length]), _i32(np.asarray(tokens)[None]), _i32([num_new]),
-        _i32(np.asarray(next_tokens)[None]), _i32([draft_n]), jnp.asarray(seeds, jnp.uint32),
-        _i32(counters), jnp.asarray(temp, jnp.float32), _i32(top_k),
-        jnp.asarray(top_p, jnp.float32), self._media(len(tokens), media_rows))
-    return self._sampled(out), h[0]
-
   def set_pend(self, tile: int, row: int, h, token: int) -> None:
     """Slot (tile, row)'s pending pairs ← (h, token): what the first round drafts from."""
     self.pend[tile] = self._s["set_pend"](self.pend[tile], _i32(row), h, _i32(token))
@@ -226,15 +250,15 @@ class DeviceState:
   # ------------------------------------------------------------------ KDA rows and checkpoints
   def zero(self, tile: int, row: int) -> None:
     """A cold start: slot (tile, row)'s KDA caches zeroed."""
-    self.kda[tile] = self._p["put"](self.kda[tile], _i32(row), self._zero_row)
+    self.kda[tile] = self._p["copy_row"](self.kda[tile], _i32(row), self._zero_row, _i32(0))
 
   def save(self, tile: int, row: int, slot: int) -> None:
     """Checkpoint slot `slot` ← slot (tile, row)'s KDA caches."""
-    self.store = self._p["save"](self.store, self.kda[tile], _i32(row), _i32(slot))
+    self.store = self._p["copy_row"](self.store, _i32(slot), self.kda[tile], _i32(row))
 
   def load(self, slot: int, tile: int, row: int) -> None:
     """Slot (tile, row)'s KDA caches ← checkpoint slot `slot`."""
-    self.kda[tile] = self._p["load"](self.kda[tile], _i32(row), self.store, _i32(slot))
+    self.kda[tile] = self._p["copy_row"](self.kda[tile], _i32(row), self.store, _i32(slot))
 
   def to_host(self, slot: int):
     """Checkpoint slot `slot` as numpy arrays (host offload)."""
@@ -253,4 +277,4 @@ class DeviceState:
     return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self._zero_row))
 
 
-__all__ = ["DeviceState", "Sampled", "programs"]
+__all__ = ["DeviceState", "Piece", "Sampled", "programs"]

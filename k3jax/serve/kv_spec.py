@@ -39,9 +39,9 @@ from k3jax.serve.speculative import rewind, verify_drafts
 def _prefill_piece(config: ModelConfig, num_top: int, variables, kda, pools, table, lengths,
                    tokens, num_new, next_tokens, draft_n, seeds, counters, temperature, top_k,
                    top_p, media=None):
-  """A piece on one-row inputs (like `kv._forward`), then the MTP layer over its first
-  draft_n pairs (h_i, next_tokens[i]). Returns ((tokens, logprobs, top), hidden at the last
-  real input [B, d], kda, pools)."""
+  """Pieces on staging rows (like `kv._forward`), then the MTP layer over each row's first
+  draft_n pairs (h_i, next_tokens[i]). Returns ((tokens, logprobs, top), hidden at each row's
+  last real input [B, d], kda, pools)."""
   model = K3Model(config)
   cache = paged_cache(config, kda, pools, table, lengths, mtp_lengths=lengths)
   logits, hidden, after = model.apply(variables, tokens, cache, num_new, media,
@@ -128,14 +128,8 @@ def _set_pend(pend, row, h, token):
 @functools.lru_cache(maxsize=None)
 def programs(config: ModelConfig, draft_len: int, num_top: int) -> dict:
   """The jitted speculative programs of one config (shared by its engines; state donated)."""
-  def prefill(variables, kda_tile, row, pools, *args):
-    from k3jax.cache import kda_rows, kda_set_rows
-    idx = row[None]
-    out, h, one, pools = _prefill_piece(config, num_top, variables, kda_rows(kda_tile, idx),
-                                        pools, *args)
-    return out, h, kda_set_rows(kda_tile, idx, one), pools
   return dict(
-      prefill=jax.jit(prefill, donate_argnums=(1, 3)),
+      prefill=jax.jit(functools.partial(_prefill_piece, config, num_top), donate_argnums=(1, 2)),
       round=jax.jit(functools.partial(_round, config, draft_len, num_top),
                     donate_argnums=(1, 2, 3)),
       set_pend=jax.jit(_set_pend, donate_argnums=(0,)),

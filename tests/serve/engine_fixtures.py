@@ -16,11 +16,12 @@ from k3jax.serve.engine import Engine, EngineConfig
 # (2–3) — every kind of cache entry at a fraction of tiny's compile time.
 OVERRIDES = dict(num_layers=4, mla_every=2)
 # Every engine of the tests has these shapes (tiles of 2 rows, 12 pages a sequence, a pool of
-# 80 pages, pieces of 16 or 32 tokens), so the programs compile once; slot counts, budgets and
-# cache policies vary freely.
+# 80 pages, pieces of 16 or 32 tokens two at a time), so the programs compile once; slot
+# counts, budgets and cache policies vary freely.
 ENGINE = EngineConfig(num_slots=4, tile_rows=2, max_len=96, page_size=8, num_pages=80,
                       prefill_chunk=32, prefill_buckets=(16, 32), checkpoint_interval=32,
-                      boundary_token=CHAT_END, step_tokens=40, num_checkpoints=8)
+                      boundary_token=CHAT_END, step_tokens=40, num_checkpoints=8,
+                      prefill_rows=2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,7 +35,7 @@ MODEL = "k3-tiny"
 TIMEOUT = 120
 ENGINE = dict(num_slots=4, tile_rows=2, max_len=320, page_size=16, prefill_chunk=32,
               prefill_buckets=(16, 32), checkpoint_interval=32, step_tokens=64,
-              num_checkpoints=16)
+              num_checkpoints=16, prefill_rows=2)
 
 
 SCRIPTS = {   # "SCRIPT:<name>" → the reply's segments (markers become their ids)
