@@ -7,15 +7,17 @@ Model: `small` — `--checkpoint` (e.g. `make train`'s runs/small) or, without i
 initialised `small` (seed 0; the JSON says which). Every figure is measured in this process,
 next to its reference:
 
-  throughput   the same requests (prompts of 32/64/128/256 random byte tokens, --max_tokens
-               greedy tokens each) sent to the server over HTTP by 1, 8 and 32 concurrent
-               streaming clients (the `openai` client on loopback): output tokens/s, TTFT and
-               time per output token p50/p99 — vs `generate()` serving the same requests one
-               at a time (compilation excluded from both: every shape is run once first);
-  multiturn    a chat of --turns turns (--turn_chars characters of user text each, the
-               model's reply in between; the context grows to ~4K tokens), once with the
-               prefix cache and once without: each turn's TTFT and the cache's hit rate
-               (cached prompt tokens / prompt tokens);
+  throughput   requests (prompts of 32/64/128/256 random byte tokens in turn, --max_tokens
+               greedy tokens each; the first 8, 16, 32 of one list) sent to the server over
+               HTTP by 1, 8 and 32 concurrent streaming clients (the `openai` client on
+               loopback): output tokens/s, TTFT and time per output token p50/p99 — vs
+               `generate()` serving the first --baseline_requests of them one at a time
+               (compilation excluded from both: every shape is compiled first);
+  multiturn    --conversations chats of --turns turns (--turn_chars characters of user text
+               each, the model's reply in between; the context grows to ~4K tokens), each turn
+               sent to a server with the prefix cache and then to one without: each turn's
+               TTFT (median over the chats) and the cache's hit rate (cached prompt tokens /
+               prompt tokens of the later turns);
   bytes        cache bytes per token of context: the MLA latents (every MLA layer, per
                token), the KDA states (constant per request) and the checkpoints (one per
                --checkpoint_interval tokens), vs the KV cache of the same model with
@@ -40,17 +42,19 @@ _CKPT = flags.DEFINE_string("checkpoint", None, "A `small` run directory (defaul
 _JSON = flags.DEFINE_string("json", None, "Write the figures here.")
 _PARTS = flags.DEFINE_list("parts", ["throughput", "multiturn", "bytes", "invariance"],
                            "Which figures.")
-_REQUESTS = flags.DEFINE_integer("requests", 32, "Requests of the throughput run.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Output tokens per request.")
+_REQUESTS = flags.DEFINE_list("requests", ["8", "16", "32"],
+                              "Requests of the throughput run at each concurrency.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Output tokens per request.")
 _CONC = flags.DEFINE_list("concurrency", ["1", "8", "32"], "Concurrent clients.")
-_TILE = flags.DEFINE_integer("tile_rows", 32, "Rows of the decode program (throughput).")
-_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 4, "Pieces per prefill program "
+_TILE = flags.DEFINE_integer("tile_rows", 16, "Rows of the decode program (throughput).")
+_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 1, "Pieces per prefill program "
                                      "(throughput; the multi-turn chat runs one at a time).")
-_TURN_CHUNK = flags.DEFINE_integer("turn_chunk", 256, "Prefill grid of the multi-turn chat.")
+_TURN_CHUNK = flags.DEFINE_integer("turn_chunk", 128, "Prefill grid of the multi-turn chat.")
+_CONVERSATIONS = flags.DEFINE_integer("conversations", 2, "Multi-turn chats measured.")
 _TURNS = flags.DEFINE_integer("turns", 4, "Turns of the multi-turn chat.")
 _TURN_CHARS = flags.DEFINE_integer("turn_chars", 950, "User characters per turn.")
 _INTERVAL = flags.DEFINE_integer("checkpoint_interval", 512, "KDA checkpoint interval.")
-_BASELINE = flags.DEFINE_integer("baseline_requests", 32,
+_BASELINE = flags.DEFINE_integer("baseline_requests", 8,
                                  "Requests generate() serves one at a time (the reference).")
 
 LENGTHS = (32, 64, 128, 256)
@@ -109,8 +113,9 @@ def throughput(cfg, v) -> dict:
   import openai
   from k3jax.serve import generate as G
   rng = np.random.default_rng(0)
+  counts = [int(n) for n in _REQUESTS.value]
   prompts = [[int(t) for t in rng.integers(0, 256, LENGTHS[i % len(LENGTHS)])]
-             for i in range(_REQUESTS.value)]
+             for i in range(max(counts + [_BASELINE.value]))]
   mt = _MAX_TOKENS.value
   max_conc = max(int(c) for c in _CONC.value)
   srv, engine = _server(cfg, v, num_slots=max(max_conc, _TILE.value), tile_rows=_TILE.value,
@@ -118,20 +123,21 @@ def throughput(cfg, v) -> dict:
                         checkpoint_interval=_INTERVAL.value, prefix_cache=False,
                         prefill_rows=_PREFILL_ROWS.value)
   client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=3600)
-  out = {"requests": len(prompts), "prompt_lengths": list(LENGTHS), "max_tokens": mt,
-         "engine": dataclasses.asdict(engine.ec)}
+  out = {"requests": dict(zip(_CONC.value, counts)), "prompt_lengths": list(LENGTHS),
+         "max_tokens": mt, "engine": dataclasses.asdict(engine.ec)}
   for n in LENGTHS:                                     # compile every shape first
     _stream_completion(client, prompts[LENGTHS.index(n)], 2)
   runs = {}
-  for c in (int(x) for x in _CONC.value):
+  for c, n in zip((int(x) for x in _CONC.value), counts):
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(c) as pool:
-      res = list(pool.map(lambda p: _stream_completion(client, p, mt), prompts))
+      res = list(pool.map(lambda p: _stream_completion(client, p, mt), prompts[:n]))
     wall = time.perf_counter() - t0
     toks = sum(r[2] for r in res)
     ttft = [r[0] for r in res if r[0] is not None]
     tpot = [r[1] for r in res if r[1] is not None]
-    runs[str(c)] = {"wall_s": wall, "output_tokens": toks, "tokens_per_s": toks / wall,
+    runs[str(c)] = {"requests": n, "wall_s": wall, "output_tokens": toks,
+                    "tokens_per_s": toks / wall,
                     "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
                     "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99)}
     print(f"[throughput] {c} clients: {toks / wall:.2f} tok/s  {runs[str(c)]}", flush=True)
@@ -153,50 +159,67 @@ def throughput(cfg, v) -> dict:
   return out
 
 
+def _chat_turn(client, msgs):
+  """(ttft, reply text, usage) of one streamed chat turn (instruct mode, greedy)."""
+  t0 = time.perf_counter()
+  ttft, content, usage = None, "", None
+  for c in client.chat.completions.create(
+      model="small", messages=msgs, max_tokens=32, temperature=0, stream=True,
+      stream_options={"include_usage": True},
+      extra_body={"chat_template_kwargs": {"thinking": False}}):
+    if c.choices and c.choices[0].delta.content and ttft is None:
+      ttft = time.perf_counter() - t0
+    if c.choices:
+      content += c.choices[0].delta.content or ""
+    if c.usage:
+      usage = c.usage
+  return (ttft if ttft is not None else time.perf_counter() - t0), content, usage
+
+
 def multiturn(cfg, v) -> dict:
+  """Two servers side by side, with and without the prefix cache; each turn is sent to one
+  and then the other (a busy machine's drift hits both alike), --conversations times."""
   import openai
   rng = np.random.default_rng(1)
-  texts = ["".join(chr(97 + i) for i in rng.integers(0, 26, _TURN_CHARS.value))
-           for _ in range(_TURNS.value)]
-  out = {"turns": _TURNS.value, "turn_chars": _TURN_CHARS.value, "engine": None}
-  replies = None
-  for mode in ("cache", "no_cache"):
-    srv, engine = _server(cfg, v, num_slots=4, tile_rows=4, max_len=4608, page_size=16,
-                          prefill_chunk=_TURN_CHUNK.value, step_tokens=1024,
-                          num_checkpoints=64, checkpoint_interval=_INTERVAL.value,
-                          prefix_cache=mode == "cache", prefill_rows=1)
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=3600)
-    out["engine"] = dataclasses.asdict(engine.ec)
-    msgs, turns, got = [], [], []
-    for k, text in enumerate(texts):
-      msgs.append({"role": "user", "content": text})
-      t0 = time.perf_counter()
-      ttft, content, usage = None, "", None
-      for c in client.chat.completions.create(
-          model="small", messages=msgs, max_tokens=32, temperature=0, stream=True,
-          stream_options={"include_usage": True},
-          extra_body={"chat_template_kwargs": {"thinking": False}}):
-        if c.choices and (c.choices[0].delta.content or "") and ttft is None:
-          ttft = time.perf_counter() - t0
-        if c.choices:
-          content += c.choices[0].delta.content or ""
-        if c.usage:
-          usage = c.usage
-      ttft = ttft if ttft is not None else time.perf_counter() - t0
-      reply = content if replies is None else replies[k]
-      got.append(content)
-      msgs.append({"role": "assistant", "content": reply})
-      turns.append({"prompt_tokens": usage.prompt_tokens,
-                    "cached_tokens": usage.prompt_tokens_details.cached_tokens, "ttft_s": ttft})
-      print(f"[multiturn] {mode} turn {k + 1}: {turns[-1]}", flush=True)
-    replies = replies or got
-    out[mode] = turns
+  kw = dict(num_slots=4, tile_rows=4, max_len=4608, page_size=16, prefill_chunk=_TURN_CHUNK.value,
+            step_tokens=1024, num_checkpoints=64, checkpoint_interval=_INTERVAL.value,
+            prefill_rows=1)
+  servers = {mode: _server(cfg, v, prefix_cache=mode == "cache", **kw)
+             for mode in ("cache", "no_cache")}
+  clients = {mode: openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0,
+                                 timeout=3600) for mode, (srv, _) in servers.items()}
+  out = {"turns": _TURNS.value, "turn_chars": _TURN_CHARS.value,
+         "conversations": _CONVERSATIONS.value,
+         "engine": dataclasses.asdict(servers["cache"][1].ec), "cache": [], "no_cache": []}
+  for conv in range(_CONVERSATIONS.value):
+    msgs = []
+    rows = {"cache": [], "no_cache": []}
+    for k in range(_TURNS.value):
+      msgs.append({"role": "user", "content": "".join(
+          chr(97 + i) for i in rng.integers(0, 26, _TURN_CHARS.value))})
+      replies = {}
+      for mode in ("cache", "no_cache"):
+        ttft, replies[mode], usage = _chat_turn(clients[mode], msgs)
+        rows[mode].append({"prompt_tokens": usage.prompt_tokens, "ttft_s": ttft,
+                           "cached_tokens": usage.prompt_tokens_details.cached_tokens})
+        print(f"[multiturn] conversation {conv} turn {k + 1} {mode}: {rows[mode][-1]}",
+              flush=True)
+      out.setdefault("replies_equal", []).append(replies["cache"] == replies["no_cache"])
+      msgs.append({"role": "assistant", "content": replies["cache"]})
+    for mode in rows:
+      out[mode].append(rows[mode])
+  for srv, _ in servers.values():
     srv.stop()
   later = range(1, _TURNS.value)
-  out["ttft_speedup_later_turns"] = [out["no_cache"][k]["ttft_s"] / out["cache"][k]["ttft_s"]
-                                     for k in later]
-  out["hit_rate_later_turns"] = (sum(out["cache"][k]["cached_tokens"] for k in later)
-                                 / sum(out["cache"][k]["prompt_tokens"] for k in later))
+  med = lambda mode, k: float(np.median([c[k]["ttft_s"] for c in out[mode]]))   # noqa: E731
+  out["ttft_median_s"] = {mode: [med(mode, k) for k in range(_TURNS.value)]
+                          for mode in ("cache", "no_cache")}
+  out["ttft_speedup_later_turns"] = [med("no_cache", k) / med("cache", k) for k in later]
+  out["ttft_speedup_later_turns_total"] = (sum(med("no_cache", k) for k in later)
+                                           / sum(med("cache", k) for k in later))
+  out["hit_rate_later_turns"] = (
+      sum(c[k]["cached_tokens"] for c in out["cache"] for k in later)
+      / sum(c[k]["prompt_tokens"] for c in out["cache"] for k in later))
   return out
 
 

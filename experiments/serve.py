@@ -53,7 +53,7 @@ def define_flags() -> None:
   d.DEFINE_bool("no_prefix_cache", False, "Turn the prefix cache off.")
   d.DEFINE_integer("draft_len", 0, "Speculative decoding with the model's MTP / EAGLE-3 "
                    "draft: drafted tokens per round (0: off).")
-  d.DEFINE_integer("prefill_rows", 4, "Pieces (of different requests) per prefill program.")
+  d.DEFINE_integer("prefill_rows", 1, "Pieces (of different requests) per prefill program.")
   d.DEFINE_integer("max_images", 4, "Images per request.")
   d.DEFINE_integer("default_max_tokens", 256,
                    "max_tokens when a request gives none (capped by the context).")
@@ -99,7 +99,8 @@ def main(argv):
       prefill_chunk=f.prefill_chunk, step_tokens=f.step_tokens,
       checkpoint_interval=f.checkpoint_interval, num_checkpoints=f.num_checkpoints,
       host_checkpoint_bytes=f.host_offload_mb << 20, prefix_cache=not f.no_prefix_cache,
-      draft_len=f.draft_len, prefill_rows=f.prefill_rows, max_images=f.max_images, default_max_tokens=f.default_max_tokens)
+      draft_len=f.draft_len, prefill_rows=f.prefill_rows, max_images=f.max_images,
+      default_max_tokens=f.default_max_tokens)
   print(f"[serve] http://{f.host}:{f.port}/v1 ready", flush=True)
   uvicorn.run(application, host=f.host, port=f.port, log_level="info")
 

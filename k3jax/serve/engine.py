@@ -30,10 +30,10 @@ Sampled tokens pass the request's stop rules (stop tokens, stop strings, `max_to
 finished or cancelled request frees its slot and its pages' references at once.
 
 Compiled shapes are fixed: decode compiles once ([tile_rows, 1]), prefill once per bucket
-([prefill_rows, b] for b in `prefill_buckets`), whatever the traffic. With that, and row-independent
-programs (k3jax/serve/kv.py), a request's tokens and log-probs do not depend on what else runs,
-in which slot, with which budget, or on a prefix-cache hit (the grid makes a hit compute what a
-miss does; docs/notes/serve.md).
+([prefill_rows, b] for b in `prefill_buckets`), whatever the traffic. With that, and
+row-independent programs (k3jax/serve/kv.py), a request's tokens and log-probs do not depend on
+what else runs, in which slot, with which budget, or on a prefix-cache hit (the grid makes a
+hit compute what a miss does; docs/notes/serve.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class EngineConfig:
   host_checkpoint_bytes: int = 0
   num_top_logprobs: int = 5
   draft_len: int = 0
-  prefill_rows: int = 4
+  prefill_rows: int = 1
 
   def __post_init__(self):
     def bad(field, msg):
@@ -281,6 +281,10 @@ class Engine:
       more = f" + draft_len {self.ec.draft_len}" if self.ec.draft_len else ""
       raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens}{more} "
                        f"exceed the context of {self.ec.max_len} tokens")
+    pages = -(-(len(ids) + params.max_tokens + self.ec.draft_len) // self.ec.page_size)
+    if pages > self.allocator.num_pages - 1:
+      raise ValueError(f"prompt: needs {pages} pages of {self.ec.page_size} tokens, the pool "
+                       f"has {self.allocator.num_pages - 1}")
     checker = StopChecker(params.sampling, self.decode_text if params.stop_strings else None)
     ids = ids.astype(np.int32)
     extra = self._check_media(ids, media, media_keys)
