@@ -52,7 +52,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   import pathlib
 
-  from k3jax.posttrain.rl import loop
+  from k3jax.posttrain.rl import agentic, loop
   from k3jax.posttrain.rl.rewards import Teachers
   from k3jax.convert.checkpoint import load_pretrained, save_pretrained
   from k3jax.train.sharded import run_mesh
@@ -63,16 +63,24 @@ def main(argv):
   spec = parse_teachers(_TEACHERS.value)
   if spec:
     teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.text.vocab_size)
-  history, state = loop.run(r, config, variables, teachers=teachers, out_dir=_OUT.value,
-                            mesh=run_mesh(r.run))
+  if r.agent.enabled:       # multi-turn tool tasks through the serving engine
+    if teachers is not None:
+      raise app.UsageError("--teachers: agentic rounds take no teachers")
+    history, state = agentic.run(r, config, variables, out_dir=_OUT.value)
+  else:
+    history, state = loop.run(r, config, variables, teachers=teachers, out_dir=_OUT.value,
+                              mesh=run_mesh(r.run))
   if _SAVE.value:
     save_pretrained(pathlib.Path(_OUT.value) / "policy", loop.policy_config(r.rl, config),
                     state.variables,
                     step=int(state.step))
   trained = [h for h in history if "reward" in h]
   if trained:
-    print(f"rounds {len(history)}: last reward {trained[-1]['reward']:.3f}, length "
-          f"{trained[-1]['length']:.1f}, mismatch {trained[-1]['mismatch']:.2e}")
+    last = trained[-1]
+    size = (f"length {last['length']:.1f}" if "length" in last
+            else f"turns {last['turns']:.2f}, tool calls {last['tool_calls']}")
+    print(f"rounds {len(history)}: last reward {last['reward']:.3f}, {size}, mismatch "
+          f"{last['mismatch']:.2e}")
 
 
 if __name__ == "__main__":

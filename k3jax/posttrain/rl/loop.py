@@ -33,6 +33,8 @@ import numpy as np
 
 from k3jax import sharding
 from k3jax.config import ModelConfig
+from k3jax.data import tool_tasks
+from k3jax.data.rl_tasks import DOMAINS as RL_DOMAINS
 from k3jax.data.rl_tasks import STOP_TOKEN, Task, TaskSampler, decode
 from k3jax.posttrain.rl import logprobs as lp_lib
 from k3jax.posttrain.rl import rollout as rollout_lib
@@ -95,21 +97,50 @@ class BudgetConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentConfig:
+  """The `agent` group: with `enabled`, rounds of multi-turn tool tasks through the serving
+  engine (k3jax/posttrain/rl/agentic.py; rl.domains then name tool-task domains). Per
+  trajectory: at most max_turns replies of max_reply_tokens, max_tokens in all; each tool
+  call's sandbox limits; num_slots: the rollout engine's slots."""
+  enabled: bool = False
+  max_turns: int = 3
+  max_tokens: int = 768
+  max_reply_tokens: int = 96
+  tool_cpu_seconds: int = 2
+  tool_wall_seconds: float = 5.0
+  num_slots: int = 8
+
+  def __post_init__(self):
+    for f in ("max_turns", "max_tokens", "max_reply_tokens", "num_slots", "tool_cpu_seconds"):
+      v = getattr(self, f)
+      _need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"agent.{f}",
+            f"expected a positive int, found {v!r}")
+    _need(self.tool_wall_seconds > 0, "agent.tool_wall_seconds",
+          f"expected > 0, found {self.tool_wall_seconds}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RLRun:
   """An RL run: the run config (optimizer, model, seed, mesh) and the RL groups."""
   run: RunConfig
   rl: RolloutConfig = RolloutConfig()
   loss: LossConfig = LossConfig()
   budget: BudgetConfig = BudgetConfig()
+  agent: AgentConfig = AgentConfig()
 
   def __post_init__(self):
+    known = tool_tasks.DOMAINS if self.agent.enabled else RL_DOMAINS
+    unknown = [d for d in self.rl.domains if d not in known]
+    _need(not unknown, "rl.domains", f"unknown domain(s) {unknown} for "
+          f"{'agentic' if self.agent.enabled else 'single-turn'} rounds (domains: {known})")
     _need(self.run.train.steps == self.rl.rounds, "train.steps",
           f"the learning-rate schedule spans rl.rounds={self.rl.rounds}, found "
           f"{self.run.train.steps}")
     tau_schedule(self)   # domains and values checked
 
 
-RL_GROUPS = {"rl": RolloutConfig, "loss": LossConfig, "budget": BudgetConfig}
+RL_GROUPS = {"rl": RolloutConfig, "loss": LossConfig, "budget": BudgetConfig,
+             "agent": AgentConfig}
 
 
 def rl_config(cfg) -> RLRun:
@@ -196,6 +227,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *, teachers: Teachers | 
   final state). `limit_fn(task, rng)` caps each trajectory's length (default max_new_tokens).
   `mesh`: the policy update runs sharded over it as pre-training does (`make_rl_step`; the
   rules of `run.mesh`), and rollouts run on the sharded policy; None: one device."""
+  if r.agent.enabled:
+    raise ValueError("agent.enabled: agentic rounds run through k3jax.posttrain.rl.agentic.run")
   config = policy_config(r.rl, config)
   cfg, lcfg, taus = r.run, r.loss, tau_schedule(r)
   width = r.rl.max_prompt_len + r.rl.max_new_tokens

@@ -21,6 +21,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.posttrain.rl import logprobs as lp_lib
+from k3jax.data import tool_tasks
 from k3jax.data.rl_tasks import DOMAINS, Task, is_correct
 
 
@@ -52,8 +53,9 @@ class TauSchedule:
     for name in ("tau_start", "tau_end", "anneal_rounds"):
       m = getattr(self, name)
       for d, v in m.items():
-        if d not in DOMAINS:
-          raise ValueError(f"budget.{name}: unknown domain {d!r} (domains: {DOMAINS})")
+        if d not in DOMAINS + tool_tasks.DOMAINS:
+          raise ValueError(f"budget.{name}: unknown domain {d!r} (domains: "
+                           f"{DOMAINS + tool_tasks.DOMAINS})")
         if not v > 0 and not (name == "anneal_rounds" and v == 0):
           raise ValueError(f"budget.{name}[{d!r}]: expected > 0, found {v}")
 

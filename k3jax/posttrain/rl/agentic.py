@@ -1,0 +1,143 @@
+"""Agentic RL rounds (K3 §13): tool tasks rolled out through the serving engine, then the RL
+update of the one training engine.
+
+A round: N tool tasks (k3jax/data/tool_tasks.py), each K times, run to their ends by
+`env.rollout` (multi-turn, the python tool in the sandbox, every turn a request to one
+`Engine` whose prefix cache resumes each later turn at the earlier prompt's last boundary);
+reward 1 for an exact final answer (the hidden verifier); group advantages over the K
+trajectories of a task; one step of `make_rl_step` on the policy's own tokens
+(`env.training_rows`: tool outputs, prompts and the environment's closings masked), with the
+engine's log-probs as the behaviour log-probs. The engine then serves the updated weights
+(`Engine.set_variables`, which also drops the cache: its states were the old weights').
+
+Sampling is at temperature 1: the engine's log-probs are those of the model's own
+distribution, which is then the sampling distribution, so behaviour = trainer log-probs up to
+rounding (the `mismatch` metric).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import ModelConfig
+from k3jax.data.tokenizers import CHAT_END
+from k3jax.data.tool_tasks import ToolTaskSampler, is_correct
+from k3jax.posttrain.rl import logprobs as lp_lib
+from k3jax.posttrain.rl import sandbox
+from k3jax.posttrain.rl.env import ToolEnv, Trajectory, rollout, training_rows
+from k3jax.posttrain.rl.loop import RLRun, policy_config
+from k3jax.posttrain.rl.losses import group_advantages
+from k3jax.posttrain.rl.update import make_rl_step
+from k3jax.serve.engine import Engine, EngineConfig
+from k3jax.train.optim import optimizer
+from k3jax.train.sharded import PRETRAIN
+from k3jax.train.state import TrainState, init_state
+
+
+def engine_config(r: RLRun) -> EngineConfig:
+  """The rollout engine of a run: `agent.num_slots` slots, a context of the trajectory's
+  token limit, the grid and KDA checkpoints every 64 tokens plus every turn boundary."""
+  a = r.agent
+  page = 16
+  return EngineConfig(num_slots=a.num_slots, tile_rows=min(a.num_slots, 4),
+                      max_len=-(-a.max_tokens // page) * page, page_size=page, prefill_chunk=64,
+                      checkpoint_interval=64, boundary_token=CHAT_END, step_tokens=256,
+                      num_checkpoints=4 * a.num_slots)
+
+
+def run(r: RLRun, config: ModelConfig, variables: dict, *,
+        out_dir: str | os.PathLike | None = None,
+        log: Callable[[str], None] | None = print,
+        reward_fn: Callable[[Sequence[Trajectory]], np.ndarray] | None = None
+        ) -> tuple[list[dict], TrainState]:
+  """Run rl.rounds agentic rounds from `variables` (module doc) on one device. Returns (per
+  round metrics, the final state); with `out_dir`, metrics.jsonl and summary.json there.
+  reward_fn: trajectories → rewards [n] (default: 1 for an exact final answer).
+
+  Training rows are rl.max_prompt_len + agent.max_tokens tokens wide and read
+  agent.max_tokens tokens after each prompt (a bound on any trajectory's continuation)."""
+  if not r.agent.enabled:
+    raise ValueError("agent.enabled: False (single-turn rounds: k3jax.posttrain.rl.loop.run)")
+  if r.rl.temperature != 1.0:
+    raise ValueError(f"rl.temperature: agentic rounds sample at 1.0 (the engine's log-probs "
+                     f"are the model's own distribution), found {r.rl.temperature}")
+  config = policy_config(r.rl, config)
+  ro, a, lcfg = r.rl, r.agent, r.loss
+  variables = {"params": variables["params"], "balance": variables.get("balance", {})}
+  # Copies: the step donates the state's buffers; the KL reference must not be among them.
+  initial = jax.tree.map(jnp.array, variables)
+  tx, _ = optimizer(r.run, config)
+  state = init_state(jax.tree.map(jnp.array, variables), PRETRAIN, tx)
+  step_fn = make_rl_step(config, tx, lcfg, temperature=1.0, qk_clip_tau=r.run.optim.qk_clip_tau)
+  env = ToolEnv(limits=sandbox.Limits(cpu_seconds=a.tool_cpu_seconds,
+                                      wall_seconds=a.tool_wall_seconds),
+                max_turns=a.max_turns, max_tokens=a.max_tokens,
+                max_reply_tokens=a.max_reply_tokens)
+  engine = Engine(config, jax.tree.map(jnp.array, state.variables), engine_config(r))
+  sampler = ToolTaskSampler(ro.domains, ro.efforts, seed=r.run.seed)
+  width, resp = ro.max_prompt_len + a.max_tokens, a.max_tokens
+  out = pathlib.Path(out_dir) if out_dir is not None else None
+  if out is not None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("")
+  history = []
+  for rnd in range(ro.rounds):
+    tasks = [t for t in sampler.sample(ro.n_prompts) for _ in range(ro.k)]
+    for t in tasks:
+      if len(t.tokens) > ro.max_prompt_len:
+        raise ValueError(f"rl.max_prompt_len={ro.max_prompt_len}: a prompt has "
+                         f"{len(t.tokens)} tokens")
+    t0 = time.perf_counter()
+    trajs = rollout(engine, tasks, env, temperature=1.0, seed=r.run.seed * 7919 + rnd)
+    rollout_s = time.perf_counter() - t0
+    rewards = (np.array([float(is_correct(t.task, t.response)) for t in trajs], np.float32)
+               if reward_fn is None else np.asarray(reward_fn(trajs), np.float32))
+    adv = group_advantages(rewards, ro.k, lcfg.adv_std_norm, lcfg.adv_eps)
+    seqs, plens, mask, blp = training_rows(trajs, width, resp)
+    rows = len(trajs)
+    ref = (lp_lib.token_logprobs(config, initial, seqs, plens, resp)
+           if lcfg.kl_coef > 0 else np.zeros((rows, resp), np.float32))
+    batch = {"seqs": seqs, "prompt_lens": plens, "mask": mask, "behaviour_lp": blp,
+             "adv": adv, "teacher_lp": np.zeros((rows, resp), np.float32),
+             "has_teacher": np.zeros(rows, bool), "ref_lp": ref}
+    t0 = time.perf_counter()
+    state, met = step_fn(state, jax.tree.map(jnp.asarray, batch))
+    lp = np.asarray(met["rows"]["lp"])
+    train_s = time.perf_counter() - t0
+    engine.set_variables(jax.tree.map(jnp.array, state.variables))
+    later = [turn for t in trajs for turn in t.turns[1:]]
+    m = {"round": rnd, "trajectories": rows, "reward": float(rewards.mean()),
+         "turns": float(np.mean([len(t.turns) for t in trajs])),
+         "tool_calls": int(sum(len(t.results) for t in trajs)),
+         "finish": {f: sum(t.finish == f for t in trajs) for f in ("answer", "turn_limit",
+                                                                  "token_limit")},
+         "policy_tokens": int(mask.sum()),
+         "effort_tokens": float(np.mean([t.effort_tokens(agentic=True) for t in trajs])),
+         "cached_fraction_later_turns": (sum(t.cached for t in later)
+                                         / max(sum(t.prompt_len for t in later), 1)),
+         "mismatch": float(np.abs(lp - blp)[mask > 0].max()) if mask.any() else 0.0,
+         "loss": float(met["loss"]), "grad_norm": float(met["grad_norm"]),
+         "clip_frac": float(met["clip_frac"]), "rollout_seconds": rollout_s,
+         "train_seconds": train_s}
+    history.append(m)
+    if out is not None:
+      with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(m) + "\n")
+    if log is not None:
+      log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+  if out is not None:
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps({"rounds": history}, indent=1))
+    os.replace(tmp, out / "summary.json")
+  return history, state
+
+
+__all__ = ["engine_config", "run"]
