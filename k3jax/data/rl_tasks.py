@@ -106,13 +106,17 @@ def is_correct(task: Task, response: str) -> bool:
 
 
 class TaskSampler:
-  """Draws tasks uniformly over `domains` × `efforts`, reproducibly from `seed`."""
+  """Draws tasks uniformly over `domains` × `efforts`, reproducibly from `seed`. A task family
+  sets `known` (its domains) and `make` (rng, uid, domain, effort → task)."""
+  known: tuple[str, ...] = DOMAINS
+  make = staticmethod(make_task)
 
-  def __init__(self, domains: Sequence[str] = DOMAINS, efforts: Sequence[str] = EFFORTS,
+  def __init__(self, domains: Sequence[str] | None = None, efforts: Sequence[str] = EFFORTS,
                seed: int = 0):
+    domains = self.known if domains is None else tuple(domains)
     for d in domains:
-      if d not in DOMAINS:
-        raise ValueError(f"domains: expected names from {DOMAINS}, found {d!r}")
+      if d not in self.known:
+        raise ValueError(f"domains: expected names from {self.known}, found {d!r}")
     for e in efforts:
       if e not in EFFORTS:
         raise ValueError(f"efforts: expected names from {EFFORTS}, found {e!r}")
@@ -122,12 +126,12 @@ class TaskSampler:
     self._rng = np.random.default_rng(seed)
     self._next = 0
 
-  def sample(self, n: int) -> list[Task]:
+  def sample(self, n: int) -> list:
     out = []
     for _ in range(n):
       d = self.domains[int(self._rng.integers(0, len(self.domains)))]
       e = self.efforts[int(self._rng.integers(0, len(self.efforts)))]
-      out.append(make_task(self._rng, self._next, d, e))
+      out.append(self.make(self._rng, self._next, d, e))
       self._next += 1
     return out
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from typing import Sequence
 
 import numpy as np
 
 from k3jax.data import chat
 from k3jax.data.chat_tokens import ChatEncoder
+from k3jax.data.rl_tasks import TaskSampler
 from k3jax.data.tokenizers import ByteTokenizer
 
 DOMAINS = ("bigmul", "strops", "lookup")
@@ -161,27 +161,10 @@ def reference_code(task: ToolTask) -> str:
           "print(sum(r[3] for r in rows if r[2] == me[2]) * me[0])")
 
 
-class ToolTaskSampler:
+class ToolTaskSampler(TaskSampler):
   """Draws tool tasks uniformly over `domains` × `efforts`, reproducibly from `seed`."""
-
-  def __init__(self, domains: Sequence[str] = DOMAINS, efforts: Sequence[str] = EFFORTS,
-               seed: int = 0):
-    bad = [d for d in domains if d not in DOMAINS] + [e for e in efforts if e not in EFFORTS]
-    if bad or not domains or not efforts:
-      raise ValueError(f"domains/efforts: expected non-empty subsets of {DOMAINS} and "
-                       f"{EFFORTS}, found {tuple(domains)} and {tuple(efforts)}")
-    self.domains, self.efforts = tuple(domains), tuple(efforts)
-    self._rng = np.random.default_rng(seed)
-    self._next = 0
-
-  def sample(self, n: int) -> list[ToolTask]:
-    out = []
-    for _ in range(n):
-      d = self.domains[int(self._rng.integers(0, len(self.domains)))]
-      e = self.efforts[int(self._rng.integers(0, len(self.efforts)))]
-      out.append(make_task(self._rng, self._next, d, e))
-      self._next += 1
-    return out
+  known = DOMAINS
+  make = staticmethod(make_task)
 
 
 __all__ = ["DOMAINS", "PYTHON_TOOL", "ToolTask", "ToolTaskSampler", "make_task",

@@ -69,5 +69,7 @@ def test_prompt_declares_the_tool_and_opens_thinking():
   assert t.tokens == T.prompt_tokens(t.conversation) and len(t.tokens) > len(t.question)
   with pytest.raises(ValueError, match="domain"):
     T.make_task(np.random.default_rng(0), 0, "chess", "low")
-  with pytest.raises(ValueError, match="domains/efforts"):
+  with pytest.raises(ValueError, match="domains: expected names from .*'nope'"):
     T.ToolTaskSampler(domains=("bigmul", "nope"))
+  with pytest.raises(ValueError, match="domains/efforts"):
+    T.ToolTaskSampler(efforts=())

@@ -2,8 +2,6 @@
 simulated CPU devices (tests/conftest.py): one stream split over `context` along its patches,
 and streams over `data`."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +10,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import sharding
 from k3jax.parallel import vision as pv
-from k3jax.vision import VisionModel, encode, init_vision, pack, vision_preset
+from k3jax.vision import VisionModel, encode, pack, vision_preset
 from k3jax.vision import ops
 from k3jax.vision.packing import META_FIELDS
+
+from vision.tower_fixtures import perturbed_init
 
 # 24 + 4 + 24 = 52 patches in the 64-patch bucket: on a context axis of 4 (16 patches a shard)
 # sample 0 straddles the boundary at 16, the clip (patches 28–51) the ones at 32 and 48, and
@@ -35,23 +35,12 @@ def _mesh(**axes):
   return sharding.make_mesh(sharding.MeshConfig(**{"data": 1, **axes}), _devices(n))
 
 
-@functools.cache
-def _perturbed_init(cfg):
-  """seed → initialised variables with every parameter perturbed, jitted: one compile per
-  config (run eagerly, each parameter shape compiled its own init and noise ops: ~10 s)."""
-  def make(seed):
-    v = init_vision(cfg, jax.random.PRNGKey(seed))
-    leaves, tree = jax.tree_util.tree_flatten(v)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-    leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-    return jax.tree_util.tree_unflatten(tree, leaves)
-  return jax.jit(make)
 
 
 def _variables(name, seed=0):
   """Initialised variables with every parameter perturbed (non-trivial norms and biases)."""
   cfg = vision_preset(name)
-  return cfg, _perturbed_init(cfg)(seed)
+  return cfg, perturbed_init(cfg)(seed)
 
 
 def _pixels(grid, seed=0):

@@ -13,27 +13,18 @@ from k3jax.vision import encode, init_vision, pack, vision_preset
 from k3jax.vision import ops
 from k3jax.config import VisionConfig
 
+from vision.tower_fixtures import perturbed_init
+
 # Two images of different sizes and a 3-frame clip, packed into one stream.
 GRID = np.array([[1, 4, 6], [1, 2, 2], [3, 2, 4]])
 
 
-@functools.cache
-def _perturbed_init(cfg):
-  """seed → initialised variables with every parameter perturbed, jitted: one compile per
-  config (run eagerly, each parameter shape compiled its own init and noise ops: ~10 s)."""
-  def make(seed):
-    v = init_vision(cfg, jax.random.PRNGKey(seed))
-    leaves, tree = jax.tree_util.tree_flatten(v)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-    leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-    return jax.tree_util.tree_unflatten(tree, leaves)
-  return jax.jit(make)
 
 
 def _variables(name, seed=0):
   """Initialised variables with every parameter perturbed (non-trivial norms and biases)."""
   cfg = vision_preset(name)
-  return cfg, _perturbed_init(cfg)(seed)
+  return cfg, perturbed_init(cfg)(seed)
 
 
 def _pixels(grid, seed=0):

@@ -17,7 +17,6 @@ rounding (the `mismatch` metric).
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import time
@@ -33,7 +32,7 @@ from k3jax.data.tool_tasks import ToolTaskSampler, is_correct
 from k3jax.posttrain.rl import logprobs as lp_lib
 from k3jax.posttrain.rl import sandbox
 from k3jax.posttrain.rl.env import ToolEnv, Trajectory, rollout, training_rows
-from k3jax.posttrain.rl.loop import RLRun, policy_config
+from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, write_json
 from k3jax.posttrain.rl.losses import group_advantages
 from k3jax.posttrain.rl.update import make_rl_step
 from k3jax.serve.engine import Engine, EngineConfig
@@ -128,15 +127,9 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
          "clip_frac": float(met["clip_frac"]), "rollout_seconds": rollout_s,
          "train_seconds": train_s}
     history.append(m)
-    if out is not None:
-      with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(m) + "\n")
-    if log is not None:
-      log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+    record_round(m, out, log)
   if out is not None:
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps({"rounds": history}, indent=1))
-    os.replace(tmp, out / "summary.json")
+    write_json(out / "summary.json", {"rounds": history})
   return history, state
 
 

@@ -214,7 +214,16 @@ class B0:
     return np.array([self.values[t.uid] for t in tasks], np.float64)
 
 
-def _write_json(path: pathlib.Path, obj) -> None:
+def record_round(m: dict, out: pathlib.Path | None, log: Callable[[str], None] | None) -> None:
+  """One round's metrics: a line of out/metrics.jsonl, and one line to `log`."""
+  if out is not None:
+    with open(out / "metrics.jsonl", "a") as f:
+      f.write(json.dumps(m) + "\n")
+  if log is not None:
+    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+
+
+def write_json(path: pathlib.Path, obj) -> None:
   tmp = path.with_suffix(path.suffix + ".tmp")
   tmp.write_text(json.dumps(obj, indent=1))
   os.replace(tmp, path)
@@ -276,13 +285,9 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *, teachers: Teachers | 
                            pool.slots, initial, state, step_fn)
       m.update(upd)
     history.append(m)
-    if out is not None:
-      with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(m) + "\n")
-    if log is not None:
-      log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+    record_round(m, out, log)
   if out is not None:
-    _write_json(out / "summary.json", {"rounds": history})
+    write_json(out / "summary.json", {"rounds": history})
   return history, state
 
 
