@@ -422,12 +422,19 @@ class RunModes:
                                    # them; vectors, norms, convs and the router stay fp32)
   scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
   remat: bool = False              # rematerialise each layer (scanned group) in the backward
+  remat_offload: bool = False      # with remat: the layer inputs it keeps live in host memory
   kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
   kda_chunk_size: int = 64         # tokens per chunk of the chunked KDA form (× 16)
   # Training/prefill attention over more queries than this runs in query blocks of this size,
   # each rematerialised in the backward pass (temporaries [B,H,block,S] instead of [B,H,T,S]);
   # None: all queries at once. Numerics are the same.
   mla_query_block: int | None = 512
+  # Long rows: an int runs training/prefill attention straight from the latents in blocks of
+  # this many keys (ops/mla_blockwise.py: keys/values expanded one block at a time, online
+  # softmax, causal blocks skipped); under a context mesh the latents (kv_lora_rank + rope
+  # numbers a token) are all-gathered instead of the expanded keys and values. None: the
+  # materialised form above.
+  mla_key_block: int | None = None
   # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
   moe_capacity_factor: float | None = None
 
@@ -482,6 +489,12 @@ class RunModes:
     if self.mla_query_block is not None and (
         not isinstance(self.mla_query_block, int) or self.mla_query_block <= 0):
       bad("mla_query_block", f"expected a positive int or None, found {self.mla_query_block!r}")
+    if self.mla_key_block is not None and (
+        not isinstance(self.mla_key_block, int) or isinstance(self.mla_key_block, bool)
+        or self.mla_key_block <= 0):
+      bad("mla_key_block", f"expected a positive int or None, found {self.mla_key_block!r}")
+    if self.remat_offload and not self.remat:
+      bad("remat_offload", "offloads what remat keeps: set remat=True too")
     if self.kernel_backend not in ("xla", "pallas", "auto"):
       bad("kernel_backend", f"expected 'xla', 'pallas' or 'auto', found {self.kernel_backend!r}")
     if self.expert_format not in ("bf16", "mxfp4"):

@@ -141,15 +141,20 @@ _attention.defvjp(_forward, _backward)
 
 
 def mla_latent_attention(q, c, k_rope, w_kv, *, scale: float, key_block: int,
-                         segment_ids=None, q_segment_ids=None, q_start=0, q_valid=None):
+                         segment_ids=None, q_segment_ids=None, q_start=0, q_valid=None,
+                         query_block: int | None = None):
   """Causal attention of q [B,T,H,nope+R] over the S latents c [B,S,L], k_rope [B,S,R]
   expanded through w_kv [L,H,nope+V] one key block at a time (module doc).
 
   segment_ids [B,S] of the keys (None: one document); q_segment_ids [B,T] of the queries
   (default: the keys' at the query positions, when T = S and q_start = 0); q_start: the
   queries' first position among the keys (int or traced); q_valid [T] bool: queries counted
-  in max_logit (None: all). S is padded to a multiple of key_block inside (padded keys come
-  after every query). Returns (o fp32 [B,T,H,V], max_logit [H])."""
+  in max_logit (None: all); query_block: when T is larger, the queries run in blocks of this
+  many (`lax.map`), each visiting only the key blocks up to its own last position — causal
+  skipping inside one long run of queries, and logits [B,H,query_block,key_block] at most —
+  at the cost of expanding those keys once per query block. S is padded to a multiple of
+  key_block inside (padded keys come after every query). Returns (o fp32 [B,T,H,V],
+  max_logit [H])."""
   b, t, h, dqk = q.shape
   s, nope = c.shape[1], dqk - k_rope.shape[-1]
   if c.shape[0] != b or k_rope.shape[:2] != (b, s):
@@ -170,8 +175,20 @@ def mla_latent_attention(q, c, k_rope, w_kv, *, scale: float, key_block: int,
   if pad:
     c, k_rope = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (c, k_rope))
     seg_k = jnp.pad(seg_k, ((0, 0), (0, pad)), constant_values=-1)
-  o, mx = _attention(q, c, k_rope, w_kv, q_segment_ids.astype(jnp.int32), seg_k,
-                     jnp.asarray(q_start, jnp.int32), scale, key_block, nope)
+  seg_q, q_start = q_segment_ids.astype(jnp.int32), jnp.asarray(q_start, jnp.int32)
+  if query_block is None or t <= query_block:
+    o, mx = _attention(q, c, k_rope, w_kv, seg_q, seg_k, q_start, scale, key_block, nope)
+  else:
+    n = -(-t // query_block)
+    tp = n * query_block
+    # Padded queries sit after the real ones: they only ever see keys the real ones may see.
+    qb = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, n, query_block, h, dqk)
+    sb = jnp.pad(seg_q, ((0, 0), (0, tp - t)), mode="edge").reshape(b, n, query_block)
+    one = lambda xs: _attention(xs[0], c, k_rope, w_kv, xs[1], seg_k,  # noqa: E731
+                                q_start + xs[2] * query_block, scale, key_block, nope)
+    o, mx = lax.map(one, (jnp.moveaxis(qb, 1, 0), jnp.moveaxis(sb, 1, 0), jnp.arange(n)))
+    o = jnp.moveaxis(o, 0, 1).reshape(b, tp, h, -1)[:, :t]
+    mx = jnp.moveaxis(mx, 0, 2).reshape(b, h, tp)[..., :t]
   if q_valid is not None:
     mx = jnp.where(q_valid[None, None, :], mx, _NEG)
   return o, lax.stop_gradient(jnp.max(mx, axis=(0, 2)))

@@ -31,8 +31,10 @@ def _reference(q, c, kr, w, seg, scale):
   return mla_ops.mla_attention(q, k, v, scale=scale, segment_ids=seg)
 
 
-@pytest.mark.parametrize("key_block", [16, 7, 64])   # 7: S padded inside; 64: one block
-def test_matches_the_materialised_attention_and_its_gradients(key_block):
+@pytest.mark.parametrize("key_block,query_block", [
+    (16, None), (7, None), (64, None),   # 7: S padded inside; 64: one block
+    (8, 12)])                            # query blocks (the last one padded), causal skipping
+def test_matches_the_materialised_attention_and_its_gradients(key_block, query_block):
   q, c, kr, w, seg = _inputs()
   scale = 0.3
 
@@ -41,7 +43,7 @@ def test_matches_the_materialised_attention_and_its_gradients(key_block):
     return jnp.sum(jnp.sin(o) * jnp.arange(V)), (o, m)
 
   blockwise = lambda q, c, kr, w: mla_latent_attention(  # noqa: E731
-      q, c, kr, w, scale=scale, key_block=key_block, segment_ids=seg)
+      q, c, kr, w, scale=scale, key_block=key_block, segment_ids=seg, query_block=query_block)
   reference = lambda q, c, kr, w: _reference(q, c, kr, w, seg, scale)  # noqa: E731
   g, (o, m) = jax.jit(jax.grad(lambda *a: loss(blockwise, *a), argnums=(0, 1, 2, 3),
                                has_aux=True))(q, c, kr, w)
