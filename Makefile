@@ -9,7 +9,7 @@ SFT_WORKDIR ?= runs/sft
 # `make sft` starts from `make train`'s checkpoint when there is one, else from a random init.
 SFT_INIT ?= $(if $(wildcard $(WORKDIR)/checkpoints),$(WORKDIR))
 
-.PHONY: install test train train-vision sft bench clean
+.PHONY: install test train train-vision sft serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 tests
 
 train: $(STAMP)
 	$(BIN)/python -m experiments.train --config=configs/small.py --workdir=$(WORKDIR)
@@ -39,6 +39,11 @@ sft: $(STAMP)
 	$(BIN)/python -m experiments.eval_sft $(if $(SFT_INIT),--checkpoint=$(SFT_INIT),--config=configs/sft_small.py) --json=$(SFT_WORKDIR)/eval_before.json
 	$(BIN)/python -m experiments.sft --config=configs/sft_small.py --workdir=$(SFT_WORKDIR) $(if $(SFT_INIT),--init=$(SFT_INIT))
 	$(BIN)/python -m experiments.eval_sft --checkpoint=$(SFT_WORKDIR) --json=$(SFT_WORKDIR)/eval_sft.json
+
+# The OpenAI-compatible server on `make train`'s checkpoint (docs/notes/serve.md).
+PORT ?= 8000
+serve: $(STAMP)
+	$(BIN)/python -m experiments.serve --checkpoint=$(WORKDIR) --port=$(PORT)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -98,10 +98,11 @@ def evaluate(config, variables, samples, *, max_new_tokens: int = 112, batch_siz
   → [(ids, stopped)] replaces the model (tests)."""
   from k3jax.data import chat
   from k3jax.data import tokenizers
-  from k3jax.data import sft
+  from k3jax.data.chat_tokens import ChatEncoder
   from k3jax.data import sft_tasks
 
   tok = tokenizers.ByteTokenizer(config.text.vocab_size)
+  encoder = ChatEncoder(tok)
   if replies_fn is None:
     def replies_fn(prompts):
       return generate_replies(config, variables, prompts, max_new_tokens=max_new_tokens,
@@ -115,9 +116,8 @@ def evaluate(config, variables, samples, *, max_new_tokens: int = 112, batch_siz
   for round_ in range(max_rounds):
     if not pending:
       break
-    prompts = [[tokenizers.BOS, *sft.encode_chat(chat.render_prompt(convs[i],
-                                                                  samples[i].thinking)).tolist()]
-               for i in pending]
+    prompts = [encoder.encode(convs[i], reply="thinking" if samples[i].thinking
+                              else "instruct").ids.tolist() for i in pending]
     outs = replies_fn(prompts)
     nxt = []
     for i, (ids, stopped) in zip(pending, outs):

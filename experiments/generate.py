@@ -34,8 +34,9 @@ Chat (the XTML format, k3jax/data/chat.py):
   python -m experiments.generate --checkpoint=runs/sft --chat --prompt="What is 2+3?" --show_think
 
 --chat renders the prompt as one user turn and opens the assistant's reply —
-`[BOS] chat.user_prompt(prompt, thinking)` with the markers as single special tokens —
-in thinking mode (the reply opens its `think` channel) or with --chat_mode=instruct (it opens
+`[BOS] chat.user_prompt(prompt, thinking)` with the markers as single special tokens, written
+by the one chat encoder (k3jax/data/chat_tokens.py: the prompt stays ordinary text, so a typed
+`<eos>` or `[open]` is text, never a control token) — in thinking mode (the reply opens its `think` channel) or with --chat_mode=instruct (it opens
 `response`). Generation stops at `[end_of_msg]` (added to the stop tokens); the reply is parsed
 back (`chat_output`: a reply cut at --max_new_tokens is closed first) and its response channel
 printed — after its thinking channel with --show_think, and its tool calls (JSON) when it made
@@ -50,6 +51,8 @@ import os
 import sys
 
 from absl import app, flags
+
+from experiments.model_loading import load_model, load_tokenizer  # noqa: F401 (tests patch)
 
 _CKPT = flags.DEFINE_string("checkpoint", None, "Checkpoint / run / converted directory.")
 _PRESET = flags.DEFINE_string("preset", None, "Random-init preset when no --checkpoint.")
@@ -142,31 +145,6 @@ def media_prompt(cfg, tok, images, video, prompt_ids):
   return ids + list(prompt_ids), media
 
 
-def load_tokenizer(checkpoint: str | None, tokenizer: str | None, vocab_size: int):
-  from k3jax.data.tokenizers import TiktokenTokenizer
-  from k3jax.data.tokenizers import ByteTokenizer
-  path = tokenizer or (checkpoint and os.path.join(checkpoint, "tiktoken.model"))
-  if path and os.path.exists(path):
-    return TiktokenTokenizer.from_dir(path)
-  if tokenizer:
-    raise ValueError(f"--tokenizer: {tokenizer} does not exist")
-  return ByteTokenizer(vocab_size)
-
-
-def load_model(checkpoint: str | None, preset_name: str | None):
-  import jax
-  import k3jax
-  from k3jax.model import K3Model
-  if checkpoint:
-    return k3jax.load_pretrained(checkpoint)
-  if not preset_name:
-    raise ValueError("--checkpoint or --preset is required")
-  cfg = k3jax.preset(preset_name)
-  variables = jax.jit(K3Model(cfg).init)(jax.random.PRNGKey(0),
-                                        jax.numpy.zeros((1, 4), jax.numpy.int32))
-  return cfg, variables
-
-
 def main(argv):
   del argv
   from k3jax.serve import generate as G
@@ -183,10 +161,13 @@ def main(argv):
   tok = load_tokenizer(_CKPT.value, _TOKENIZER.value, cfg.text.vocab_size)
   if _CHAT.value:
     from k3jax.data import chat
-    end_id = tok.chat_ids()[chat.END]      # a tokenizer without the markers fails here, by name
-    ids = [int(i) for i in tok.encode(chat.user_prompt(prompt, thinking), specials=True)]
-    if not (_IMAGE.value or _VIDEO.value) and getattr(tok, "bos_id", None) is not None:
-      ids = [int(tok.bos_id)] + ids        # (media_prompt puts BOS before the media itself)
+    from k3jax.data.chat_tokens import ChatEncoder
+    encoder = ChatEncoder(tok)             # a tokenizer without the markers fails here, by name
+    end_id = encoder.end_id
+    # The one chat encoder: markers from the structure, the prompt as ordinary text (a typed
+    # "<eos>" or "[open]" stays text). media_prompt puts BOS before the media itself.
+    ids = encoder.encode(chat.user_conversation(prompt), reply="thinking" if thinking else
+                         "instruct", bos=not (_IMAGE.value or _VIDEO.value)).ids.tolist()
   else:
     ids = [int(i) for i in tok.encode(prompt)]
   ids, media = media_prompt(cfg, tok, _IMAGE.value, _VIDEO.value, ids)

@@ -62,7 +62,8 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import StableLatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attnres import attn_res_source_counts, blocks_before
-from k3jax.vision.media import Media, check_placeholders, dummy_media, place_media
+from k3jax.vision.media import (Media, MediaEmbeddings, check_placeholders, dummy_media,
+                                place_media)
 from k3jax.vision.tower import Projector, VisionTower, merge
 
 
@@ -373,7 +374,8 @@ class K3Model(nn.Module):
 
   def extend(self, tokens, cache: Cache, num_new, media: Media | None = None):
     """Feed tokens [B,T] (the first num_new[b] of row b are real) on top of `cache`; `media`
-    fills the placeholders among them (a prompt's images, at prefill).
+    fills the placeholders among them (a prompt's images, at prefill): a `Media` (run through
+    the tower here) or `MediaEmbeddings` (encoded already).
 
     Returns (logits fp32 [B,T,vocab], hidden fp32 [B,T,d] (the MTP layer's feature input:
     before the final norm, or the EAGLE-3 fusion), cache with every layer's cache extended
@@ -423,6 +425,11 @@ class K3Model(nn.Module):
         self.encode_media(dummy_media(cfg.vision))
       return x
     check_placeholders(tokens, media, cfg.media_placeholder_token_id, where)
+    if isinstance(media, MediaEmbeddings):   # encoded already (a serving engine's pieces)
+      if self.is_initializing():
+        self.encode_media(dummy_media(cfg.vision))
+      return place_media(x, tokens, media.features, media.num_merged,
+                         cfg.media_placeholder_token_id)
     return place_media(x, tokens, self.encode_media(media), media.num_merged,
                        cfg.media_placeholder_token_id)
 

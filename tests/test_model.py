@@ -63,9 +63,19 @@ def random_variables(model, tokens, seed=0):
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
+# The gradient tests (isolation, remat) run on a 5-layer tiny: layer 0 KDA + dense MLP and
+# layer 1 MLA + MoE unrolled (prefix), one scanned group [KDA, MLA] (layers 2–3), the unrolled
+# MLA suffix (layer 4), AttnRes blocks of 2 (a block appended inside the scanned body) and the
+# MTP layer — every kind of layer and every path through the stack of the 13-layer tiny, whose
+# second scanned group only repeats the first; its gradient costs half the compile.
+GRAD = "tiny5"
+_NAMED = {GRAD: ("tiny", dict(num_layers=5, mla_every=2, attn_res_block_size=2))}
+
+
 @functools.lru_cache(maxsize=None)
 def setup(name, **overrides):
-  cfg = preset(name, **overrides)
+  base, named = _NAMED.get(name, (name, {}))
+  cfg = preset(base, **named, **overrides)
   model = K3Model(cfg)
   tokens = jax.random.randint(jax.random.key(7), (B, T), 0, cfg.text.vocab_size)
   v = random_variables(model, tokens)
@@ -190,12 +200,14 @@ def _loss_grad(name, remat=False):
   return ct, jax.jit(jax.grad(loss))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
+@pytest.mark.parametrize("name", [GRAD, "tiny_kimi_linear"])
 @pytest.mark.parametrize("packed", [True, False])
 def test_documents_are_bitwise_isolated(name, packed):
   """Packed (two documents in row 0) or unpacked (each row a document): every token of the
   other documents changed, a document's logits, MTP logits and the gradient of its own loss are
-  bit-for-bit unchanged (the routed experts' weight gradients excepted: see _COND)."""
+  bit-for-bit unchanged (the routed experts' weight gradients excepted: see _COND). GRAD's
+  5 layers hold every layer kind, the scanned body and MTP (see GRAD); the 13-layer tiny's
+  forward is isolated in test_causality too."""
   cfg, _, v, tok, fwd = setup(name)
   seg = PACKED if packed else UNPACKED
   doc = np.zeros((B, T), bool)
@@ -355,9 +367,10 @@ def test_k3_layout_and_eval_shape_is_fast():
 
 
 def test_tied_embeddings_mtp_tree_and_remat_trace():
-  """Structure-only checks (traced with eval_shape, nothing compiled)."""
+  """Structure-only checks (traced with eval_shape, nothing compiled). Tied embeddings and the
+  MTP tree do not depend on the depth: 5 layers (SMALL) trace in a third of tiny's time."""
   tok = jnp.zeros((1, 4), jnp.int32)
-  cfg = preset("tiny", tie_word_embeddings=True)
+  cfg = preset("tiny", **SMALL, tie_word_embeddings=True)
   shapes = nn.unbox(jax.eval_shape(K3Model(cfg).init, jax.random.key(0), tok))
   assert "lm_head" not in shapes["params"]
   assert jax.eval_shape(K3Model(cfg).apply, shapes, tok).shape == (1, 4, cfg.text.vocab_size)
@@ -386,16 +399,17 @@ def test_remat_changes_nothing():
   differentiation remat is inert), and, differentiated, gradients that agree with remat=False
   within fp32 rounding: each program's directional derivatives along random directions, one
   per parameter group, match central differences of the float64 reference (a layer skipped
-  or run twice is off by O(1))."""
-  cfg, model, v, tok, fwd = setup("tiny")
-  assert cfg.text.stack_layout() == (4, 2, 1) and cfg.text.num_mtp_layers   # prefix, body, suffix, MTP
+  or run twice is off by O(1)). On GRAD's 5 layers: a prefix of two unrolled layers, one
+  scanned (rematerialised) group, an unrolled suffix and MTP — each remat site once."""
+  cfg, model, v, tok, fwd = setup(GRAD)
+  assert cfg.text.stack_layout() == (2, 1, 1) and cfg.text.num_mtp_layers   # prefix, body, suffix, MTP
   model_r = K3Model(cfg.replace(remat=True))
   fwd_r = jax.jit(lambda v, t, s: model_r.apply(v, t, segment_ids=s, return_mtp=True,
                                                 mutable=["stats"]))   # the same program as fwd's
   chex.assert_trees_all_equal(fwd_r(v, tok, UNPACKED), fwd(v, tok, UNPACKED))
 
-  ct, grad = _loss_grad("tiny")
-  _, grad_r = _loss_grad("tiny", remat=True)
+  ct, grad = _loss_grad(GRAD)
+  _, grad_r = _loss_grad(GRAD, remat=True)
   ones = jnp.ones((B, T), jnp.float32)
   grads = [g(v["params"], tok, UNPACKED, ones) for g in (grad, grad_r)]
 

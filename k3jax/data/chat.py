@@ -172,6 +172,14 @@ class Conversation:
 
 
 # ---------------------------------------------------------------------- render
+# A rendering is a list of segments, each (kind, string): MARK a marker, NAME a header or
+# channel name (structure spelled in text), TEXT a message's or an option block's content.
+# `render` joins them (refusing a marker inside TEXT: the text form could not be parsed back);
+# the token encoder (k3jax/data/chat_tokens.py) maps MARK to the marker's id and everything
+# else to ordinary text, so content never produces a control token.
+MARK, NAME, TEXT = "mark", "name", "text"
+
+
 def _text(s: str, where: str) -> str:
   m = _MARKER_RE.search(s)
   if m:
@@ -180,37 +188,70 @@ def _text(s: str, where: str) -> str:
   return s
 
 
-def _block(header: str, body: str) -> str:
-  return f"{OPEN}{header}{SEP}{body}{END}"
+def _block_segments(header: str, body: str) -> list[tuple[str, str]]:
+  return [(MARK, OPEN), (NAME, header), (MARK, SEP), (TEXT, body), (MARK, END)]
+
+
+def message_segments(m: Message) -> list[tuple[str, str]]:
+  """One message as segments (see MARK / NAME / TEXT)."""
+  if m.role != "assistant":
+    return _block_segments(m.role, m.content)
+  parts = [(MARK, OPEN), (NAME, "assistant"), (MARK, SEP)]
+  for name, value in (("think", m.think), ("response", m.content),
+                      ("tools", None if m.tool_calls is None else
+                       canonical_json([dataclasses.asdict(c) for c in m.tool_calls]))):
+    if value is not None:
+      parts += [(MARK, OPEN), (NAME, name), (MARK, SEP), (TEXT, value), (MARK, CLOSE)]
+  return parts + [(MARK, END)]
+
+
+def conversation_segments(conv: Conversation) -> list[list[tuple[str, str]]]:
+  """The conversation's blocks in order ([global options] messages [one-shot options]), each
+  a list of segments ending with the `[end_of_msg]` marker."""
+  out = []
+  if conv.options is not None:
+    out.append(_block_segments(GLOBAL_OPTIONS, conv.options.to_json()))
+  out += [message_segments(m) for m in conv.messages]
+  if conv.turn_options is not None:
+    out.append(_block_segments(TURN_OPTIONS, conv.turn_options.to_json()))
+  return out
+
+
+def reply_segments(thinking: bool = True) -> list[tuple[str, str]]:
+  """The assistant turn's opening as segments; it chooses the mode (thinking or instruct)."""
+  return [(MARK, OPEN), (NAME, "assistant"), (MARK, SEP), (MARK, OPEN),
+          (NAME, "think" if thinking else "response"), (MARK, SEP)]
+
+
+def _join(segments, where: str) -> str:
+  return "".join(_text(s, where) if kind == TEXT else s for kind, s in segments)
 
 
 def render_message(m: Message, where: str = "message") -> str:
   """One message as XTML text."""
   if m.role != "assistant":
-    return _block(m.role, _text(m.content, f"{where} ({m.role})"))
-  parts = []
-  for name, value in (("think", m.think), ("response", m.content),
-                      ("tools", None if m.tool_calls is None else
-                       canonical_json([dataclasses.asdict(c) for c in m.tool_calls]))):
-    if value is not None:
-      parts.append(f"{OPEN}{name}{SEP}{_text(value, f'{where} (assistant {name})')}{CLOSE}")
-  return _block("assistant", "".join(parts))
+    return _join(message_segments(m), f"{where} ({m.role})")
+  out = []
+  for kind, s in message_segments(m):   # name the channel a marker was found in
+    out.append(s if kind != TEXT else _text(s, f"{where} (assistant {out[-2]})"))
+  return "".join(out)
 
 
 def render(conv: Conversation) -> str:
   """The conversation as XTML text: [global options] messages [one-shot options]."""
   out = []
   if conv.options is not None:
-    out.append(_block(GLOBAL_OPTIONS, _text(conv.options.to_json(), "options")))
+    out.append(_join(_block_segments(GLOBAL_OPTIONS, conv.options.to_json()), "options"))
   out += [render_message(m, f"messages[{i}]") for i, m in enumerate(conv.messages)]
   if conv.turn_options is not None:
-    out.append(_block(TURN_OPTIONS, _text(conv.turn_options.to_json(), "turn_options")))
+    out.append(_join(_block_segments(TURN_OPTIONS, conv.turn_options.to_json()),
+                     "turn_options"))
   return "".join(out)
 
 
 def reply_prefix(thinking: bool = True) -> str:
   """The assistant turn's opening; it chooses the mode (thinking or instruct)."""
-  return f"{OPEN}assistant{SEP}{OPEN}{'think' if thinking else 'response'}{SEP}"
+  return _join(reply_segments(thinking), "reply")
 
 
 def render_prompt(conv: Conversation, thinking: bool = True) -> str:
@@ -218,11 +259,17 @@ def render_prompt(conv: Conversation, thinking: bool = True) -> str:
   return render(conv) + reply_prefix(thinking)
 
 
+def user_conversation(text: str, system: str | None = None,
+                      options: Options | None = None) -> Conversation:
+  """A one-turn conversation: an optional system message, then the user's `text`."""
+  msgs = ([Message("system", system)] if system is not None else []) + [Message("user", text)]
+  return Conversation(tuple(msgs), options=options)
+
+
 def user_prompt(text: str, thinking: bool = True, system: str | None = None,
                 options: Options | None = None) -> str:
   """`render_prompt` of a one-turn conversation (an optional system message, then `text`)."""
-  msgs = ([Message("system", system)] if system is not None else []) + [Message("user", text)]
-  return render_prompt(Conversation(tuple(msgs), options=options), thinking)
+  return render_prompt(user_conversation(text, system, options), thinking)
 
 
 # ---------------------------------------------------------------------- parse
@@ -368,4 +415,5 @@ def parse_reply(generated: str, thinking: bool = True, complete: bool = True) ->
 __all__ = ["OPEN", "SEP", "CLOSE", "END", "MARKERS", "ROLES", "CHANNELS", "EFFORTS",
            "ToolCall", "ToolSpec", "Options", "Message", "Conversation", "render",
            "render_message", "render_prompt", "reply_prefix", "user_prompt", "parse",
-           "parse_reply", "canonical_json"]
+           "parse_reply", "canonical_json", "MARK", "NAME", "TEXT", "message_segments",
+           "conversation_segments", "reply_segments", "user_conversation"]

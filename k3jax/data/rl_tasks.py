@@ -11,7 +11,9 @@ The prompt is one user turn in instruct mode with the reasoning effort as a glob
 and the reply is generated until `[close]` (the response channel's end; `STOP_TOKEN`).
 The answer is the last whitespace-separated word of the response, so a response may carry
 any amount of text before it (the effort budget is what keeps it short).
-Tokens are the byte tokenizer's (k3jax/data/corpus.py) with the XTML markers as single ids.
+Tokens are the byte tokenizer's (k3jax/data/corpus.py), written by the one chat encoder
+(k3jax/data/chat_tokens.py: the XTML markers from the structure as single ids, texts as bytes;
+no BOS, as rollouts have always been prompted).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import Sequence
 import numpy as np
 
 from k3jax.data import chat
+from k3jax.data.chat_tokens import ChatEncoder
 from k3jax.data.tokenizers import CHAT_CLOSE, ByteTokenizer
 
 DOMAINS = ("arith", "sort", "puzzle")
 EFFORTS = chat.EFFORTS
 STOP_TOKEN = CHAT_CLOSE          # ends the response channel
 _TOKENIZER = ByteTokenizer()
+_ENCODER = ChatEncoder(_TOKENIZER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +61,25 @@ def _question(rng: np.random.Generator, domain: str) -> tuple[str, str]:
   raise ValueError(f"domain: expected one of {DOMAINS}, found {domain!r}")
 
 
+def conversation(question: str, effort: str) -> chat.Conversation:
+  """The conversation of one question: the effort as a global option, one user turn."""
+  return chat.user_conversation(question, options=chat.Options(effort=effort))
+
+
 def render(question: str, effort: str) -> str:
-  """The XTML prompt of one question (module doc)."""
-  return chat.user_prompt(question, thinking=False, options=chat.Options(effort=effort))
+  """The XTML prompt of one question (module doc), as text."""
+  return chat.render_prompt(conversation(question, effort), thinking=False)
+
+
+def prompt_tokens(question: str, effort: str) -> tuple[int, ...]:
+  """The prompt's ids (instruct mode, no BOS) by the one chat encoder."""
+  ids = _ENCODER.encode(conversation(question, effort), reply="instruct", bos=False).ids
+  return tuple(int(i) for i in ids)
 
 
 def encode(text: str) -> tuple[int, ...]:
-  return tuple(int(i) for i in _TOKENIZER.encode(text, specials=True))
+  """Response text → ids (ordinary text: a special name typed in it stays bytes)."""
+  return tuple(_ENCODER.text(text))
 
 
 def decode(tokens: Sequence[int]) -> str:
@@ -75,7 +91,7 @@ def make_task(rng: np.random.Generator, uid: int, domain: str, effort: str) -> T
   if effort not in EFFORTS:
     raise ValueError(f"effort: expected one of {EFFORTS}, found {effort!r}")
   q, a = _question(rng, domain)
-  return Task(uid, domain, effort, q, a, encode(render(q, effort)))
+  return Task(uid, domain, effort, q, a, prompt_tokens(q, effort))
 
 
 def extract_answer(response: str) -> str | None:

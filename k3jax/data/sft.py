@@ -20,10 +20,11 @@ they would come after the reply they are meant for. `read_jsonl` raises ValueErr
 that is not JSON, an unknown or missing key, a wrong type, an unknown role, a marker inside
 a text, or a conversation with no assistant message.
 
-Tokens (byte tokenizer, k3jax/data/corpus.py): a conversation is `[BOS]` followed by
-`chat.render(conv)` with the four XTML markers as their single ids (261–264) and every other
-character as its UTF-8 bytes (no other special name is recognised inside a text) — exactly the
-prompt layout of `generate --chat` (`[BOS] chat.user_prompt(...)`).
+Tokens (byte tokenizer, k3jax/data/corpus.py): a conversation is `[BOS]` followed by its
+blocks as the one chat encoder writes them (`k3jax/data/chat_tokens.py`): the four XTML markers
+from the structure as their single ids (261–264), every text as its UTF-8 bytes (a special
+name such as `<bos>` typed inside a text stays bytes) — the prompt layout of `generate --chat`
+and of the server, which use the same encoder.
 
 Loss mask. A token is an *assistant token* iff it lies inside an assistant message after the
 header, i.e. from the token following `[open]assistant[sep]` through that message's
@@ -55,20 +56,20 @@ import hashlib
 import json
 import logging
 import os
-import re
 from typing import Any, Sequence
 
 import numpy as np
 
 from k3jax.data import chat
+from k3jax.data.chat_tokens import ChatEncoder
 from k3jax.data import corpus, sft_tasks
 from k3jax.data import tokenizers
 
 log = logging.getLogger("k3jax.train")
 
-MARKER_IDS = {chat.OPEN: tokenizers.CHAT_OPEN, chat.SEP: tokenizers.CHAT_SEP,
-              chat.CLOSE: tokenizers.CHAT_CLOSE, chat.END: tokenizers.CHAT_END}
-_MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in chat.MARKERS) + ")")
+# The one chat encoder (k3jax/data/chat_tokens.py) over the byte tokenizer: markers from the
+# structure, every text as bytes.
+_ENCODER = ChatEncoder(tokenizers.ByteTokenizer())
 OPEN_ROWS = 8          # first fit looks back over this many open rows (linear time)
 _ASSISTANT = np.frombuffer(b"assistant", np.uint8).astype(np.int32)
 
@@ -223,18 +224,6 @@ def write_jsonl(path: str, convs: Sequence[chat.Conversation]) -> None:
 
 
 # ---------------------------------------------------------------------- tokens and mask
-def encode_chat(text: str) -> np.ndarray:
-  """XTML text → byte-tokenizer ids [n] int32: the four markers as single ids, everything else
-  as UTF-8 bytes (`<bos>` etc. inside a text stay bytes)."""
-  parts = []
-  for k, piece in enumerate(_MARKER_SPLIT.split(text)):
-    if k % 2:
-      parts.append(np.array([MARKER_IDS[piece]], np.int32))
-    elif piece:
-      parts.append(np.frombuffer(piece.encode("utf-8"), np.uint8).astype(np.int32))
-  return np.concatenate(parts) if parts else np.zeros([0], np.int32)
-
-
 def assistant_mask(tokens: np.ndarray) -> np.ndarray:
   """[n] bool: the assistant tokens of a tokenized conversation (module doc's rule).
 
@@ -262,7 +251,7 @@ def assistant_mask(tokens: np.ndarray) -> np.ndarray:
 
 def tokenize(conv: chat.Conversation) -> tuple[np.ndarray, np.ndarray]:
   """Conversation → (ids [n] int32 = [BOS] + render with marker ids, assistant mask [n] bool)."""
-  ids = np.concatenate([[tokenizers.BOS], encode_chat(chat.render(conv))]).astype(np.int32)
+  ids = _ENCODER.encode(conv).ids
   return ids, assistant_mask(ids)
 
 

@@ -3,8 +3,8 @@
 The model decodes through its own layers (`K3Model.extend`, caches in k3jax/cache.py); this
 module only checks inputs, chooses shapes (prefill chunks of one compiled shape, one-token
 decode steps), keeps the jitted functions and samples. Speculative decoding with MTP drafts is
-`k3jax.serve.speculative`; moving a reused prefix in and out of a cache is
-`k3jax.serve.payloads`.
+`k3jax.serve.speculative`. Serving many requests (slots, paged latents, the prefix cache) is
+`k3jax.serve.engine`, which is tested against this module.
 
 Rows of a batch may have different lengths: every call feeds T tokens per row of which the
 first num_new[b] are real (right padding); padded tokens change no cache.

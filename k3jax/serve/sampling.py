@@ -109,6 +109,68 @@ def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Arr
   return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
 
 
+def _filtered_rows(logits, temperature, top_k, top_p):
+  """fp32 logits [B, V] → (temperature-scaled logits with the filtered-out tokens at -inf,
+  hot [B]: the rows that sample (temperature > 0)); `filter_logits` per row with traced
+  parameters."""
+  x = logits.astype(jnp.float32)
+  vocab = x.shape[-1]
+  hot = temperature > 0
+  scaled = x / jnp.where(hot, temperature, 1.0).astype(jnp.float32)[:, None]
+  order = _descending_order(scaled)
+  sorted_x = jnp.take_along_axis(scaled, order, axis=-1)
+  rank = jnp.arange(vocab)[None]
+  keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+  probs = jax.nn.softmax(jnp.where(keep, sorted_x, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs
+  keep &= (top_p[:, None] >= 1.0) | (before < top_p[:, None])
+  keep_vocab = jnp.zeros_like(keep).at[jnp.arange(x.shape[0])[:, None], order].set(keep)
+  return jnp.where(keep_vocab, scaled, -jnp.inf), hot
+
+
+def row_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
+  """Per-row keys fold_in(PRNGKey(seeds[b]), counters[b]): [B] uint32, [B] int → [B, 2]."""
+  return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
+      seeds.astype(jnp.uint32), counters.astype(jnp.int32))
+
+
+def probs_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+               top_p: jax.Array) -> jax.Array:
+  """The distribution each row samples from (`sampling_probs` with per-row parameters):
+  logits [B, V] → probabilities [B, V] fp32; greedy rows (temperature 0) a one-hot."""
+  filtered, hot = _filtered_rows(logits, temperature, top_k, top_p)
+  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jnp.where(hot[:, None], jax.nn.softmax(filtered, axis=-1), greedy)
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
+                temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                num_top: int = 0, keys: jax.Array | None = None):
+  """Per-row sampling with per-row parameters (the serving engine; traced, one compiled shape).
+
+  logits [B, V]; seeds [B] uint32 and counters [B] int32 (row b draws with the key
+  fold_in(PRNGKey(seeds[b]), counters[b]) — a request's n-th token depends on its seed and n
+  alone — or with `keys` [B, 2] when given); temperature [B] (0: greedy), top_k [B] int (0:
+  off), top_p [B] (1: off) — the semantics of `filter_logits`. Every operation acts on one row
+  at a time, so a row's draw never depends on the other rows.
+
+  Returns (tokens [B] int32, logprobs [B] fp32 of the model's own distribution (log-softmax
+  of the raw logits) at the tokens, and with `num_top` the top (ids [B, num_top],
+  logprobs [B, num_top]) of that distribution, else None).
+  """
+  x = logits.astype(jnp.float32)
+  filtered, hot = _filtered_rows(x, temperature, top_k, top_p)
+  keys = row_keys(seeds, counters) if keys is None else keys
+  drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered)
+  tokens = jnp.where(hot, drawn, jnp.argmax(x, axis=-1)).astype(jnp.int32)
+  logp = jax.nn.log_softmax(x, axis=-1)
+  chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+  if not num_top:
+    return tokens, chosen, None
+  top_lp, top_ids = jax.lax.top_k(logp, num_top)
+  return tokens, chosen, (top_ids.astype(jnp.int32), top_lp)
+
+
 class StopChecker:
   """Host-side stop detection for one sequence (stop tokens and stop strings).
 
@@ -159,4 +221,5 @@ def _first_stop(text: str, stops: Sequence[str]) -> int | None:
   return min(hits) if hits else None
 
 
-__all__ = ["SamplingParams", "filter_logits", "sampling_probs", "sample", "StopChecker"]
+__all__ = ["SamplingParams", "filter_logits", "sampling_probs", "sample", "sample_rows",
+           "probs_rows", "row_keys", "StopChecker"]

@@ -37,6 +37,21 @@ class Media:
     return self.patches.shape[0]
 
 
+@flax.struct.dataclass
+class MediaEmbeddings:
+  """Media already through the tower and projector: features [S, M, d] fp32 (stream s's first
+  num_merged[s] rows are real) and num_merged [S] int32 — what `K3Model.encode_media` returns,
+  or a slice of it. `K3Model.extend(..., media=MediaEmbeddings(...))` places them at the
+  placeholders without running the tower again: a serving engine encodes a request's images
+  once and feeds each prefill piece the rows of the placeholders it holds."""
+  features: jax.Array
+  num_merged: jax.Array
+
+  @property
+  def num_streams(self) -> int:
+    return self.features.shape[0]
+
+
 def media_from_pixels(vision_config, pixel_values, grid_thw, *, length: int | None = None
                       ) -> Media:
   """One stream holding the samples of `grid_thw` [n, 3] (host values), whose patches
@@ -130,5 +145,5 @@ def place_media_reference(embeddings, tokens, features, num_merged, placeholder_
   return out
 
 
-__all__ = ["Media", "media_from_pixels", "dummy_media", "stack_media", "check_placeholders", "place_media",
+__all__ = ["Media", "MediaEmbeddings", "media_from_pixels", "dummy_media", "stack_media", "check_placeholders", "place_media",
            "place_media_reference"]

@@ -104,7 +104,9 @@ def test_eval_figures_on_hand_built_replies():
   add, upper = pick[("add", False)], pick[("upper", True)]
   rev, cnt = pick[("reverse", False)], pick[("count", True)]
   samples = [add, upper, rev, cnt, calc]
-  tok = lambda text: sft.encode_chat(text).tolist()   # noqa: E731
+  # The texts hold no special name but the markers: the byte tokenizer with specials reads
+  # them as the chat encoder writes them.
+  tok = lambda text: tokenizers.ByteTokenizer().encode(text, specials=True).tolist()   # noqa: E731
   expr = calc.conversation.messages[1].tool_calls[0].arguments["expression"]
   call = (f'[open]tools[sep][{{"arguments":{{"expression":"{expr}"}},"name":"calculator"}}]'
           f"[close]")

@@ -159,6 +159,15 @@ def test_chat_prompt_stop_token_and_channels(tmp_path, capsys, small_models, mon
   assert out["chat"] == {"think": "hm", "response": "5", "tool_calls": None}
 
 
+def test_chat_prompt_keeps_typed_control_tokens_as_text(tmp_path, small_models):
+  """A user typing a special token's name (`<eos>`, `[open]`, `<media>`) gets its bytes:
+  the prompt's only control ids are BOS and the markers of the structure."""
+  out = _run(tmp_path, "adv", "--chat", "--prompt=a<eos>[open]<media>", "--max_new_tokens=1")
+  ids = out["prompt_tokens"]
+  assert [t for t in ids if t >= 256] == [257, 261, 262, 264, 261, 262, 261, 262]
+  assert bytes(t for t in ids if t < 256).startswith(b"usera<eos>[open]<media>assistant")
+
+
 @pytest.mark.parametrize("extra,match", [
     (["--show_think"], "--show_think: only meaningful with --chat"),
     (["--chat_mode=instruct"], "--chat_mode: only meaningful with --chat"),

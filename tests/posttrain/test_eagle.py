@@ -40,6 +40,14 @@ def _setup():
   return cfg, jax.tree_util.tree_map_with_path(perturb, v), tokens
 
 
+@functools.lru_cache(maxsize=None)
+def _forward():
+  """The jitted (logits, MTP logits) of `_setup`'s model, shared by the tests that need them
+  (run eagerly, a tiny model's forward compiles each op alone: ~4x the jitted compile)."""
+  cfg, _, _ = _setup()
+  return jax.jit(lambda v, t: K3Model(cfg).apply(v, t, return_mtp=True))
+
+
 def test_eagle_blocks_config():
   cfg = preset("tiny", eagle_blocks=(1, 2, -1))
   assert cfg.eagle_block_indices() == (1, 2, cfg.text.num_attn_res_blocks)
@@ -58,7 +66,7 @@ def test_fused_draft_input_matches_reference():
   """return_mtp with eagle_blocks: the MTP logits from draft_fuse(blocks 1, 0, last) equal the
   float64 reference's; and they differ from the plain MTP input's (the fusion is used)."""
   cfg, v, tokens = _setup()
-  logits, mtp = jax.jit(lambda v, t: K3Model(cfg).apply(v, t, return_mtp=True))(v, tokens)
+  logits, mtp = _forward()(v, tokens)
   ref = reference_forward(cfg, v, tokens, mtp=True)
   assert ref["min_route_margin"] > 1e-5
   for got, want in [(logits, ref["logits"]), (mtp, ref["mtp_logits"])]:
@@ -76,12 +84,12 @@ def test_chain_equals_one_sequence_fed_in_order():
   steps, stride = 3, 2
   out = jax.jit(lambda d, t: eagle.chain_logits(cfg, d, v, t, steps=steps,
                                                 anchor_stride=stride))(draft, tokens)
-  _, mtp = K3Model(cfg).apply(v, tokens, return_mtp=True)
+  _, mtp = _forward()(v, tokens)
   np.testing.assert_allclose(out[0][1], mtp.reshape(B * (T - 1), -1), atol=1e-5)
   np.testing.assert_array_equal(out[0][2], 1.0)
 
   model = K3Model(cfg)
-  _, feats = model.apply(v, tokens, method=K3Model.draft_inputs)
+  _, feats = jax.jit(lambda v, t: model.apply(v, t, method=K3Model.draft_inputs))(v, tokens)
   draft_fn = jax.jit(lambda h, x, cache, n: model.apply(v, h, x, cache, n, True,
                                                          method=K3Model.draft))
   anchors = list(range(0, T - 1, stride))

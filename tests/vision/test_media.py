@@ -1,6 +1,8 @@
 """Media in the token stream: `place_media` against an explicit loop, and `K3Model(media=)`
 against the standalone tower (`k3jax.vision.encode`) and the text-only model."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,13 @@ def model():
   cfg = preset("tiny_multimodal", num_layers=4, num_mtp_layers=0)
   m = K3Model(cfg)
   return cfg, m, nn.unbox(m.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+
+
+@functools.cache
+def _forward(m):
+  """The model's logits, jitted (run eagerly, each op of a tiny model compiles alone: several
+  times the jitted compile); `media` None is the text-only program."""
+  return jax.jit(lambda v, t, media: m.apply(v, t, media=media))
 
 
 def _pixels(grid, seed=0):
@@ -73,7 +82,8 @@ def test_media_embeddings_are_the_projected_tower_outputs(model):
   media = stack_media([media_from_pixels(cfg.vision, p, g, length=length)
                        for p, g in zip(px, grids)])
   tokens = _tokens([(12, [1, 2, 3, 4, 5, 6, 9]), (12, [0, 10])])
-  got = m.apply(v, jnp.asarray(tokens), media, method=lambda mod, t, md: mod._embed(t, md))
+  got = jax.jit(lambda v, t, md: m.apply(v, t, md, method=lambda mod, t, md: mod._embed(t, md)))(
+      v, jnp.asarray(tokens), media)
   vision = {"params": {k: v["params"][k] for k in ("vision_tower", "mm_projector")}}
   feats = [np.asarray(encode(cfg.vision, vision, p, g)) for p, g in zip(px, grids)]
   assert [f.shape[0] for f in feats] == [7, 2]
@@ -88,8 +98,8 @@ def test_text_before_the_first_placeholder_is_unchanged_and_media_change_the_res
   cfg, m, v = model
   media = media_from_pixels(cfg.vision, _pixels(GRID), GRID)
   tokens = jnp.asarray(_tokens([(16, [4, 5, 6, 7, 8, 9, 12])]))
-  with_media = np.asarray(m.apply(v, tokens, media=media))
-  text_only = np.asarray(m.apply(v, tokens))
+  with_media = np.asarray(_forward(m)(v, tokens, media))
+  text_only = np.asarray(_forward(m)(v, tokens, None))
   np.testing.assert_allclose(with_media[:, :4], text_only[:, :4], atol=1e-4)
   assert np.abs(with_media[:, 4:] - text_only[:, 4:]).max() > 1e-2
 
@@ -104,10 +114,11 @@ def test_placeholder_count_and_media_errors(model):
   bad = media.replace(patches=media.patches[..., :-1])
   with pytest.raises(ValueError, match=r"media.patches: expected \[S, L, 588\]"):
     m.apply(v, jnp.asarray(_tokens([(12, list(range(7)))])), media=bad)
-  text = preset("tiny")
-  tv = K3Model(text).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  # A text-only model refuses media while tracing: abstract variables, nothing computed.
+  text = K3Model(preset("tiny", num_layers=2))
+  tv = jax.eval_shape(text.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
   with pytest.raises(ValueError, match="media given but config.vision is None"):
-    K3Model(text).apply(tv, jnp.zeros((1, 4), jnp.int32), media=media)
+    jax.eval_shape(lambda tv: text.apply(tv, jnp.zeros((1, 4), jnp.int32), media=media), tv)
   with pytest.raises(ValueError, match="stack_media: streams of different lengths"):
     stack_media([media, media_from_pixels(cfg.vision, _pixels(GRID), GRID, length=128)])
 

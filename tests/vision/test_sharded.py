@@ -2,6 +2,8 @@
 simulated CPU devices (tests/conftest.py): one stream split over `context` along its patches,
 and streams over `data`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,14 +35,23 @@ def _mesh(**axes):
   return sharding.make_mesh(sharding.MeshConfig(**{"data": 1, **axes}), _devices(n))
 
 
+@functools.cache
+def _perturbed_init(cfg):
+  """seed → initialised variables with every parameter perturbed, jitted: one compile per
+  config (run eagerly, each parameter shape compiled its own init and noise ops: ~10 s)."""
+  def make(seed):
+    v = init_vision(cfg, jax.random.PRNGKey(seed))
+    leaves, tree = jax.tree_util.tree_flatten(v)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(tree, leaves)
+  return jax.jit(make)
+
+
 def _variables(name, seed=0):
   """Initialised variables with every parameter perturbed (non-trivial norms and biases)."""
   cfg = vision_preset(name)
-  v = init_vision(cfg, jax.random.PRNGKey(seed))
-  leaves, tree = jax.tree_util.tree_flatten(v)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-  return cfg, jax.tree_util.tree_unflatten(tree, leaves)
+  return cfg, _perturbed_init(cfg)(seed)
 
 
 def _pixels(grid, seed=0):

@@ -1,6 +1,8 @@
 """The vision tower, merger and projector: `encode` against a slow per-sample reference built
 from the same ops, packing/padding invariance, presets and bad-input errors (docs/k3.md §11)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,14 +17,23 @@ from k3jax.config import VisionConfig
 GRID = np.array([[1, 4, 6], [1, 2, 2], [3, 2, 4]])
 
 
+@functools.cache
+def _perturbed_init(cfg):
+  """seed → initialised variables with every parameter perturbed, jitted: one compile per
+  config (run eagerly, each parameter shape compiled its own init and noise ops: ~10 s)."""
+  def make(seed):
+    v = init_vision(cfg, jax.random.PRNGKey(seed))
+    leaves, tree = jax.tree_util.tree_flatten(v)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    return jax.tree_util.tree_unflatten(tree, leaves)
+  return jax.jit(make)
+
+
 def _variables(name, seed=0):
   """Initialised variables with every parameter perturbed (non-trivial norms and biases)."""
   cfg = vision_preset(name)
-  v = init_vision(cfg, jax.random.PRNGKey(seed))
-  leaves, tree = jax.tree_util.tree_flatten(v)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  leaves = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
-  return cfg, jax.tree_util.tree_unflatten(tree, leaves)
+  return cfg, _perturbed_init(cfg)(seed)
 
 
 def _pixels(grid, seed=0):
@@ -45,11 +56,21 @@ def _lin(p, x, spec="...i,io->...o"):
 
 def reference_sample(cfg: VisionConfig, params, px, t, h, w):
   """One sample alone, no packing: (encoded [t·h·w, D], merged [(h/2)(w/2), 4, D],
-  projected [(h/2)(w/2), text_hidden]). Full softmax over the sample's patches."""
+  projected [(h/2)(w/2), text_hidden]). Full softmax over the sample's patches.
+
+  The position table is resized eagerly (its interpolation taps are host values); the rest
+  runs jitted per sample shape: eagerly, every op of every layer compiled alone for each
+  sample's shape cost ~9 s a preset."""
+  pos = ops.resize_table(params["vision_tower"]["patch_embed"]["pos_emb"]["weight"], h, w,
+                         cfg.pos_emb_interpolation)
+  return _reference_sample(cfg, params, jnp.asarray(px), pos, t, h, w)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _reference_sample(cfg: VisionConfig, params, px, pos, t, h, w):
   vt = params["vision_tower"]
   pe = vt["patch_embed"]
-  x = _lin(pe["proj"], jnp.asarray(px).reshape(t * h * w, -1))
-  pos = ops.resize_table(pe["pos_emb"]["weight"], h, w, cfg.pos_emb_interpolation)
+  x = _lin(pe["proj"], px.reshape(t * h * w, -1))
   pos = jnp.broadcast_to(pos, (t, h, w, cfg.hidden_size))
   if t > 1:
     pos = pos + ops.time_table(cfg.max_frames, cfg.hidden_size)[:t, None, None]
