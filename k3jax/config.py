@@ -260,6 +260,7 @@ class TextConfig:
   mla_every: int = 4
   mla_last: bool = True
   first_dense_layers: int = 1
+  kda_only: bool = False   # no MLA layer at all: an ablation only (validate)
 
   # --- Kimi Delta Attention (§3)
   kda_num_heads: int = 96
@@ -403,11 +404,15 @@ class TextConfig:
       bad("activation", f"expected 'situ' or 'swiglu', found {self.activation!r}")
     if self.num_mtp_layers > 1:
       bad("num_mtp_layers", f"0 or 1 supported, found {self.num_mtp_layers}")
-    # The hybrid needs global attention at the end of the stack (K3 and Kimi Linear both end
-    # on MLA): a stack without any MLA layer is wrong.
-    if not any(self.is_mla(i) for i in range(self.num_layers)):
+    # K3 and Kimi Linear both end on MLA (global attention). A stack without any MLA layer
+    # (mla_every > num_layers, mla_last=False) is allowed only as that, stated: the KDA-only
+    # ablation of experiments/recall_extend.py (kda_only=True); otherwise it is a mistake.
+    if not self.kda_only and not any(self.is_mla(i) for i in range(self.num_layers)):
       bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
-          "mla_last=False leave no MLA layer")
+          "mla_last=False leave no MLA layer (kda_only=True for a KDA-only stack)")
+    if self.kda_only and any(self.is_mla(i) for i in range(self.num_layers)):
+      bad("kda_only", f"set, but layers {[i for i in range(self.num_layers) if self.is_mla(i)]}"
+          " are MLA (mla_every > num_layers and mla_last=False for none)")
 
 
 @dataclasses.dataclass(frozen=True)
