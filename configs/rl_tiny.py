@@ -15,4 +15,11 @@ def get_config():
   c.optim.lr = 3e-4
   c.optim.warmup_frac = 0.0
   c.optim.final_lr_frac = 1.0
+  # The setting under which the reward rises (docs/notes/rl.md: K = 8 with std-normalised
+  # advantages; K = 4 or no normalisation roughly halve the rise).
+  c.rl.k = 8
+  c.loss.adv_std_norm = True
+  # QAT from SFT through RL (K3 §13): the routed experts in MXFP4, their inputs in MXFP8, in
+  # rollouts and updates alike (the tiny model's MLA layer has the MoE).
+  c.rl.expert_qat = "mxfp4_mxfp8"
   return c

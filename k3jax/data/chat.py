@@ -6,7 +6,7 @@ prefix, and that global options come before the history and one-shot options aft
 KV/KDA state of an earlier prefix stays reusable). The concrete grammar below is ours; it uses
 nothing but the markers (no whitespace is added anywhere):
 
-    conversation  = [block("options", OPTS)] message* [block("turn_options", OPTS)]
+    conversation  = [block("options", OPTS)] (message | block("turn_options", OPTS))*
     block(h, x)   = "[open]" h "[sep]" x "[end_of_msg]"
     message       = block(role, TEXT)                  role in system / user / tool
                   | "[open]assistant[sep]" channel* "[end_of_msg]"
@@ -162,13 +162,23 @@ class Message:
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-  """Global options, the history, and one-shot options for the next reply."""
+  """Global options, the history, and one-shot options for the next reply. `options_at`:
+  one-shot options given during the conversation, (i, Options) = a `turn_options` block right
+  before messages[i] (it applies to the next assistant reply after it; e.g. an effort changed
+  mid-conversation), i ascending, each 0 < i < len(messages)."""
   messages: tuple[Message, ...] = ()
   options: Options | None = None
   turn_options: Options | None = None
+  options_at: tuple[tuple[int, Options], ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "messages", tuple(self.messages))
+    at = tuple((int(i), o) for i, o in self.options_at)
+    idx = [i for i, _ in at]
+    if idx != sorted(set(idx)) or any(not 0 < i < len(self.messages) for i in idx):
+      raise ValueError(f"Conversation.options_at: positions must be ascending, distinct and "
+                       f"inside (0, {len(self.messages)}), found {idx}")
+    object.__setattr__(self, "options_at", at)
 
 
 # ---------------------------------------------------------------------- render
@@ -208,12 +218,22 @@ def message_segments(m: Message) -> list[tuple[str, str]]:
 def conversation_segments(conv: Conversation) -> list[list[tuple[str, str]]]:
   """The conversation's blocks in order ([global options] messages [one-shot options]), each
   a list of segments ending with the `[end_of_msg]` marker."""
-  out = []
+  return [segs for _, segs in conversation_blocks(conv)]
+
+
+def conversation_blocks(conv: Conversation) -> list[tuple[int | None, list[tuple[str, str]]]]:
+  """The blocks of `conversation_segments`, each with its message index (None: an options
+  block)."""
+  out: list = []
   if conv.options is not None:
-    out.append(_block_segments(GLOBAL_OPTIONS, conv.options.to_json()))
-  out += [message_segments(m) for m in conv.messages]
+    out.append((None, _block_segments(GLOBAL_OPTIONS, conv.options.to_json())))
+  at = dict(conv.options_at)
+  for i, m in enumerate(conv.messages):
+    if i in at:
+      out.append((None, _block_segments(TURN_OPTIONS, at[i].to_json())))
+    out.append((i, message_segments(m)))
   if conv.turn_options is not None:
-    out.append(_block_segments(TURN_OPTIONS, conv.turn_options.to_json()))
+    out.append((None, _block_segments(TURN_OPTIONS, conv.turn_options.to_json())))
   return out
 
 
@@ -242,7 +262,11 @@ def render(conv: Conversation) -> str:
   out = []
   if conv.options is not None:
     out.append(_join(_block_segments(GLOBAL_OPTIONS, conv.options.to_json()), "options"))
-  out += [render_message(m, f"messages[{i}]") for i, m in enumerate(conv.messages)]
+  at = dict(conv.options_at)
+  for i, m in enumerate(conv.messages):
+    if i in at:
+      out.append(_join(_block_segments(TURN_OPTIONS, at[i].to_json()), f"options_at[{i}]"))
+    out.append(render_message(m, f"messages[{i}]"))
   if conv.turn_options is not None:
     out.append(_join(_block_segments(TURN_OPTIONS, conv.turn_options.to_json()),
                      "turn_options"))
@@ -365,16 +389,21 @@ class _Parser:
 
   def conversation(self) -> Conversation:
     options = turn_options = None
-    messages = []
+    messages, options_at = [], []
     while self.pos < len(self.text):
-      if turn_options is not None:
-        self.error("nothing may follow the one-shot options block (it ends the conversation)")
+      if turn_options is not None and not self.at(OPEN + TURN_OPTIONS + SEP):
+        if not messages:
+          self.error("one-shot options must follow a message (global options come first)")
+        options_at.append((len(messages), turn_options))
+        turn_options = None
       header, start = self.header()
       if header == GLOBAL_OPTIONS:
-        if messages or options is not None:
+        if messages or options is not None or turn_options is not None:
           self.error("global options must come first, before any message, and once", start)
         options = self.options(start)
       elif header == TURN_OPTIONS:
+        if turn_options is not None:
+          self.error("two one-shot options blocks in a row", start)
         turn_options = self.options(start)
       elif header == "assistant":
         messages.append(self.assistant())
@@ -383,7 +412,7 @@ class _Parser:
       else:
         self.error(f"unknown role {header!r} (known: {', '.join(ROLES)}, "
                    f"{GLOBAL_OPTIONS}, {TURN_OPTIONS})", start)
-    return Conversation(tuple(messages), options, turn_options)
+    return Conversation(tuple(messages), options, turn_options, tuple(options_at))
 
 
 def parse(text: str) -> Conversation:
@@ -416,4 +445,5 @@ __all__ = ["OPEN", "SEP", "CLOSE", "END", "MARKERS", "ROLES", "CHANNELS", "EFFOR
            "ToolCall", "ToolSpec", "Options", "Message", "Conversation", "render",
            "render_message", "render_prompt", "reply_prefix", "user_prompt", "parse",
            "parse_reply", "canonical_json", "MARK", "NAME", "TEXT", "message_segments",
-           "conversation_segments", "reply_segments", "user_conversation"]
+           "conversation_segments", "conversation_blocks", "reply_segments",
+           "user_conversation"]

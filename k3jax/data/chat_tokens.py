@@ -103,10 +103,8 @@ class ChatEncoder:
       raise ValueError(f"media: message indices {bad} out of range [0, {len(conv.messages)})")
     ids: list[int] = [int(self.bos_id)] if bos and self.bos_id is not None else []
     boundaries = []
-    first_msg = 1 if conv.options is not None else 0
-    for b, segs in enumerate(chat.conversation_segments(conv)):
-      m = b - first_msg
-      ids += self.segments(segs, media.get(m, ()) if 0 <= m < len(conv.messages) else ())
+    for m, segs in chat.conversation_blocks(conv):
+      ids += self.segments(segs, media.get(m, ()) if m is not None else ())
       boundaries.append(len(ids))
     if reply is not None:
       ids += self.reply_opening(reply)

@@ -139,7 +139,8 @@ class EngineConfig:
 class RequestParams:
   """A request's generation settings. temperature 0 is greedy; top_k 0 and top_p 1 are off;
   seed fixes its draws (token n uses fold_in(PRNGKey(seed), n)); stop_tokens end it without
-  being emitted; stop_strings end it once the decoded text holds one (needs the engine's
+  being emitted (with include_stop: emitted, with its log-prob, as the last token — an RL
+  policy's action); stop_strings end it once the decoded text holds one (needs the engine's
   `decode`); max_tokens caps the generated tokens."""
   max_tokens: int = 16
   temperature: float = 0.0
@@ -148,6 +149,7 @@ class RequestParams:
   seed: int = 0
   stop_tokens: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
+  include_stop: bool = False
 
   def __post_init__(self):
     if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or (
@@ -402,6 +404,16 @@ class Engine:
       self.waiting.remove(req)
       self._finish_request(req, "error", message)
 
+  def set_variables(self, variables) -> None:
+    """Serve new weights (an RL policy after its update): only between requests (ValueError
+    while any runs or waits); the prefix cache is dropped (its states were the old weights')."""
+    with self._step_lock:
+      self._take_inbox()
+      if self.waiting or any(s.req for s in self.slots):
+        raise ValueError("set_variables: requests are running or waiting")
+      self.cache.clear()
+      self.device.set_variables(variables)
+
   def clear_cache(self) -> None:
     """Drop every prefix-cache entry (pages held only by the cache return to the free list)."""
     with self._step_lock:
@@ -621,7 +633,8 @@ class Engine:
     if req.first_token_at is None:
       req.first_token_at = time.perf_counter()
     stopped = req.checker.add(tok)
-    emitted = [] if req.checker.reason == "stop_token" else [tok]
+    emitted = [] if (req.checker.reason == "stop_token" and not req.params.include_stop) else [
+        tok]
     if emitted:
       req.tokens.append(tok)
       req.logprobs.append(logprob)

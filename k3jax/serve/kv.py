@@ -129,8 +129,7 @@ class DeviceState:
                num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5,
                draft_len: int = 0, prefill_rows: int = 1):
     self.config = config.for_inference()
-    v = nn.meta.unbox(dict(variables))
-    self.variables = jax.device_put({k: v[k] for k in v if k in ("params", "balance")})
+    self.set_variables(variables)
     self.rows = rows
     self.num_top = num_top
     self.draft_len = draft_len
@@ -151,7 +150,13 @@ class DeviceState:
                     jnp.zeros((rows, draft_len + 1), jnp.int32), jnp.zeros((rows,), jnp.int32))
                    for _ in range(num_tiles)]
 
+  def set_variables(self, variables) -> None:
+    """The weights the programs run (same structure and shapes: nothing recompiles)."""
+    v = nn.meta.unbox(dict(variables))
+    self.variables = jax.device_put({k: v[k] for k in v if k in ("params", "balance")})
+
   # ------------------------------------------------------------------ forward programs
+
   def _sampled(self, out) -> Sampled:
     toks, lps, top = out
     if top is None:

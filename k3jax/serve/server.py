@@ -96,6 +96,24 @@ class _Handlers:
           self.engine.cancel(rid)
           return None
 
+  async def _collect(self, rid: str, queue: asyncio.Queue, request: Request, feed):
+    """A non-streamed request's updates to the end, each one's tokens through `feed`:
+    (last update, tokens, log-probs, top pairs); None when the client went away."""
+    tokens, lps, tops = [], [], []
+    while True:
+      u = await self._next(rid, queue, request)
+      if u is None:
+        return None
+      tokens += u.tokens
+      lps += u.logprobs
+      tops += u.top
+      feed(u.tokens)
+      if u.finished:
+        break
+    if u.finish_reason == "error":
+      raise api.APIError(500, u.error or "generation failed", type="server_error")
+    return u, tokens, lps, tops
+
   async def _body(self, request: Request):
     raw = await request.body()
     try:
@@ -119,19 +137,10 @@ class _Handlers:
     if p.stream:
       return StreamingResponse(self._chat_stream(request, p, rid, queue, parser, cid, model),
                                media_type="text/event-stream")
-    tokens, lps, tops = [], [], []
-    while True:
-      u = await self._next(rid, queue, request)
-      if u is None:
-        return Response(status_code=499)
-      tokens += u.tokens
-      lps += u.logprobs
-      tops += u.top
-      parser.feed(u.tokens)
-      if u.finished:
-        break
-    if u.finish_reason == "error":
-      raise api.APIError(500, u.error or "generation failed", type="server_error")
+    got = await self._collect(rid, queue, request, parser.feed)
+    if got is None:
+      return Response(status_code=499)
+    u, tokens, lps, tops = got
     _, (think, content, calls) = parser.finish()
     message = {"role": "assistant", "content": content, "reasoning_content": think}
     reason = u.finish_reason
@@ -205,19 +214,10 @@ class _Handlers:
     if p.stream:
       return StreamingResponse(self._completion_stream(p, rid, queue, text, cid, model),
                                media_type="text/event-stream")
-    tokens, lps, tops = [], [], []
-    while True:
-      u = await self._next(rid, queue, request)
-      if u is None:
-        return Response(status_code=499)
-      tokens += u.tokens
-      lps += u.logprobs
-      tops += u.top
-      text.push(u.tokens)
-      if u.finished:
-        break
-    if u.finish_reason == "error":
-      raise api.APIError(500, u.error or "generation failed", type="server_error")
+    got = await self._collect(rid, queue, request, text.push)
+    if got is None:
+      return Response(status_code=499)
+    u, tokens, lps, tops = got
     rec = u.record
     return JSONResponse({
         "id": cid, "object": "text_completion", "created": api.now(), "model": model,

@@ -138,7 +138,10 @@ def test_parse_reply_truncated():
     ("hello", 0, "expected '\\[open\\]'"),
     ("[open]user[sep]a[end_of_msg][open]options[sep]{}[end_of_msg]", 28, "global options"),
     ('[open]options[sep]{"effort":"huge"}[end_of_msg]', 0, "effort"),
-    ("[open]turn_options[sep]{}[end_of_msg][open]user[sep]a[end_of_msg]", 37, "nothing may follow"),
+    ("[open]turn_options[sep]{}[end_of_msg][open]user[sep]a[end_of_msg]", 37,
+     "must follow a message"),
+    ("[open]user[sep]a[end_of_msg][open]turn_options[sep]{}[end_of_msg]"
+     "[open]turn_options[sep]{}[end_of_msg]", 65, "two one-shot options blocks"),
 ])
 def test_parse_errors_name_the_position(text, pos, match):
   with pytest.raises(ValueError, match=match) as e:
@@ -172,3 +175,24 @@ def test_data_model_errors():
   with pytest.raises(ValueError, match="effort"):
     Options(effort="medium")
   assert ToolCall("f", {"x": (1, 2)}).arguments == {"x": [1, 2]}   # JSON-normalised
+
+
+def test_effort_changed_mid_conversation():
+  """One-shot options between messages (the effort of the next reply changed during the
+  conversation): rendered in place, parsed back, encoded with a turn boundary after them."""
+  from k3jax.data.chat_tokens import ChatEncoder
+  from k3jax.data.tokenizers import ByteTokenizer
+  conv = Conversation((Message("user", "a"), Message("assistant", "b"), Message("user", "c")),
+                      options=Options(effort="low"),
+                      options_at=((2, Options(effort="max")),))
+  text = chat.render(conv)
+  assert text == ('[open]options[sep]{"effort":"low"}[end_of_msg][open]user[sep]a[end_of_msg]'
+                  '[open]assistant[sep][open]response[sep]b[close][end_of_msg]'
+                  '[open]turn_options[sep]{"effort":"max"}[end_of_msg]'
+                  '[open]user[sep]c[end_of_msg]')
+  assert chat.parse(text) == conv
+  e = ChatEncoder(ByteTokenizer()).encode(conv, reply="thinking", bos=False)
+  assert len(e.boundaries) == 5 and ByteTokenizer().decode(
+      list(e.ids[:e.boundaries[3]]), specials=True) == text[:text.index("[open]user[sep]c")]
+  with pytest.raises(ValueError, match="options_at"):
+    Conversation((Message("user", "a"),), options_at=((1, Options()),))

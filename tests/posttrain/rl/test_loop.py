@@ -74,3 +74,12 @@ def test_rounds_on_a_mesh_match_one_device():
   step = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                       p1, v["params"])
   assert max(jax.tree.leaves(delta)) <= 1e-2 * max(jax.tree.leaves(step))
+
+
+def test_shipped_config_learns_with_qat():
+  """configs/rl_tiny.py ships the setting the reward rises with (K = 8, std-normalised
+  advantages) and QAT of the routed experts on (the model has experts)."""
+  r = loop.rl_config(get_config())
+  assert r.rl.k == 8 and r.loss.adv_std_norm and r.rl.expert_qat == "mxfp4_mxfp8"
+  assert r.run.model.text.num_experts > 0
+  assert loop.policy_config(r.rl, r.run.model).modes.expert_qat == "mxfp4_mxfp8"

@@ -1,0 +1,282 @@
+"""The tool environment and multi-turn agentic rollouts through the serving engine (K3 §13).
+
+A trajectory is one token list: the task's prompt (global options with the python tool and
+the effort, the user's question, the assistant's thinking opening), then turns. A turn: the
+engine generates the assistant's reply (`Engine.submit` with the whole conversation so far;
+its prefix cache holds the KDA checkpoint and MLA pages at every earlier turn boundary, so
+only the tokens after the previous prompt's last boundary are prefilled); the environment
+(`ToolEnv.after_reply`) reads it:
+
+  * a reply cut at the turn's token cap is closed by the environment (`[close]` /
+    `[end_of_msg]` as needed, not the policy's tokens) and told so in a tool message;
+  * tool calls (the `tools` channel): each `python` call's `code` runs in the sandbox
+    (k3jax/posttrain/rl/sandbox.py); its output or error, or an error for an unknown tool or
+    bad arguments, or for a reply that does not parse, comes back as a `role: "tool"`
+    message, then the next assistant opening — the next turn;
+  * no tool call: the response channel is the final answer and the trajectory ends
+    ("answer"); it also ends at `max_turns` replies ("turn_limit") or when the next turn would
+    pass `max_tokens` tokens in all ("token_limit").
+
+Only the policy's own tokens carry loss: `policy[j]` marks the tokens the engine sampled
+(each reply, its `[end_of_msg]` included); the prompt, tool messages, closings and openings
+are the environment's. `logprobs[j]` holds the engine's fp32 log-prob of each sampled token,
+log_softmax(logits)[y] of the model's own distribution — the temperature-1 sampling
+distribution, which is what RL samples from, so they equal the trainer's
+(`logprobs.token_logprobs`) on the same sequence.
+
+Effort (the report's T(y)): `effort_tokens` = thinking tokens (text in `think` channels),
+plus, for agentic tasks, the tokens of every tool call's arguments (their canonical JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from k3jax.data import chat
+from k3jax.data.chat_tokens import ChatEncoder
+from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.posttrain.rl import sandbox
+from k3jax.serve.engine import Engine, RequestParams
+
+FINISHES = ("answer", "turn_limit", "token_limit")
+
+
+@dataclasses.dataclass
+class Turn:
+  """One reply: where its request's prompt ended, the prefix-cache hit the engine reported
+  (tokens not recomputed), the reply's tokens and why the engine stopped."""
+  prompt_len: int
+  cached: int
+  reply: list[int]
+  finish_reason: str
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """tokens: prompt + everything after; policy / logprobs: per token after prompt_len."""
+  task: object
+  tokens: list[int]
+  prompt_len: int
+  policy: list[bool] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  turns: list[Turn] = dataclasses.field(default_factory=list)
+  results: list[sandbox.Result] = dataclasses.field(default_factory=list)
+  finish: str | None = None
+  response: str | None = None
+  thinking_tokens: int = 0
+  argument_tokens: int = 0
+
+  def append(self, ids: Sequence[int], policy: bool, logprobs: Sequence[float] = ()):
+    ids = [int(i) for i in ids]
+    self.tokens += ids
+    self.policy += [policy] * len(ids)
+    self.logprobs += list(logprobs) if policy else [0.0] * len(ids)
+
+  def effort_tokens(self, agentic: bool = True) -> int:
+    """T(y): thinking tokens, + tool-call argument tokens for agentic tasks (module doc)."""
+    return self.thinking_tokens + (self.argument_tokens if agentic else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyTokens:
+  """A reply read at the token level: the message (None when it does not parse; `error`
+  says why), its text tokens per channel, and the closing tokens a cut reply needs."""
+  message: chat.Message | None
+  error: str | None
+  channel_tokens: dict
+  closing: tuple[int, ...]
+
+
+class ToolEnv:
+  """The environment (module doc). limits: the sandbox's; max_turns: replies per trajectory;
+  max_tokens: tokens per trajectory (prompt included; at most the engine's max_len);
+  max_reply_tokens: one reply's cap; tool_chars: a tool message's longest text."""
+
+  def __init__(self, *, limits: sandbox.Limits = sandbox.Limits(), max_turns: int = 4,
+               max_tokens: int = 512, max_reply_tokens: int = 128, tool_chars: int = 400,
+               tokenizer=None):
+    if max_turns < 1 or max_tokens < 1 or max_reply_tokens < 1:
+      raise ValueError("ToolEnv: max_turns, max_tokens and max_reply_tokens must be >= 1")
+    self.limits, self.max_turns, self.max_tokens = limits, max_turns, max_tokens
+    self.max_reply_tokens, self.tool_chars = max_reply_tokens, tool_chars
+    self.tokenizer = tokenizer or ByteTokenizer()
+    self.encoder = ChatEncoder(self.tokenizer)
+    self.ids = self.encoder.marker_ids
+    self.names = {v: k for k, v in self.ids.items()}
+    self.opening = self.encoder.reply_opening("thinking")
+
+  # ---------------------------------------------------------------- reading a reply
+  def read_reply(self, reply: Sequence[int]) -> ReplyTokens:
+    """The reply (tokens after the thinking opening) at the token level."""
+    end = self.ids[chat.END]
+    parts, run, channel, counts = [], [], "think", {}
+    state = "text"                     # text | between | header
+    header: list[int] = []
+    for t in reply:
+      t = int(t)
+      if t in self.names:
+        if run:
+          parts.append(self.tokenizer.decode(run))
+          run = []
+        parts.append(self.names[t])
+        m = self.names[t]
+        if m == chat.OPEN:
+          state, header = "header", []
+        elif m == chat.SEP:
+          channel = self.tokenizer.decode(header) if state == "header" else channel
+          state = "text"
+        elif m == chat.CLOSE:
+          state = "between"
+        elif m == chat.END:
+          break
+        continue
+      run.append(t)
+      if state == "header":
+        header.append(t)
+      elif state == "text":
+        counts[channel] = counts.get(channel, 0) + 1
+    if run:
+      parts.append(self.tokenizer.decode(run))
+    closing = ()
+    if not reply or int(reply[-1]) != end:
+      closing = {"text": (self.ids[chat.CLOSE], end), "between": (end,),
+                 "header": (self.ids[chat.SEP], self.ids[chat.CLOSE], end)}[state]
+      parts += [self.names[c] for c in closing]
+    text = "".join(parts)
+    for i, p in enumerate(parts):
+      if p not in chat.MARKERS and any(m in p for m in chat.MARKERS):
+        return ReplyTokens(None, "a marker spelled inside text", counts, closing)
+    try:
+      return ReplyTokens(chat.parse_reply(text, thinking=True), None, counts, closing)
+    except ValueError as e:
+      return ReplyTokens(None, str(e), counts, closing)
+
+  # ---------------------------------------------------------------- the environment's turn
+  def _tool_message(self, text: str) -> list[int]:
+    return self.encoder.segments(chat.message_segments(chat.Message("tool", text)))
+
+  def run_call(self, call: chat.ToolCall, traj: Trajectory | None = None) -> str:
+    """One tool call's result text (errors as text: the policy reads them)."""
+    if call.name != "python":
+      return f"error: unknown tool {call.name!r} (available: python)"
+    code = call.arguments.get("code")
+    if set(call.arguments) != {"code"} or not isinstance(code, str):
+      return 'error: python takes {"code": "<python source>"}'
+    result = sandbox.run_python(code, self.limits)
+    if traj is not None:
+      traj.results.append(result)
+    return result.tool_text(self.tool_chars)
+
+  def after_reply(self, traj: Trajectory, reply: Sequence[int], logprobs: Sequence[float],
+                  finish_reason: str, cached: int, prompt_len: int) -> list[int] | None:
+    """Record a reply and act on it (module doc): the next request's prompt, or None when
+    the trajectory has ended (`traj.finish` set)."""
+    traj.turns.append(Turn(prompt_len, cached, list(reply), finish_reason))
+    traj.append(reply, True, logprobs)
+    read = self.read_reply(reply)
+    traj.thinking_tokens += read.channel_tokens.get("think", 0)
+    traj.append(read.closing, False)
+    msg = read.message
+    notes = []
+    if read.closing:
+      notes.append(f"error: the reply was cut at {len(reply)} tokens")
+    elif msg is None:
+      notes.append(f"error: the reply does not parse: {read.error}")
+    elif not msg.tool_calls:
+      traj.response = msg.content
+      return self._end(traj, "answer")
+    if msg is not None and msg.tool_calls:
+      for call in msg.tool_calls:
+        traj.argument_tokens += len(self.encoder.text(chat.canonical_json(call.arguments)))
+        notes.append(self.run_call(call, traj))
+    if len(traj.turns) >= self.max_turns:
+      return self._end(traj, "turn_limit")
+    more = [i for text in notes for i in self._tool_message(text)] + list(self.opening)
+    if len(traj.tokens) + len(more) + 1 > self.max_tokens:
+      return self._end(traj, "token_limit")
+    traj.append(more, False)
+    return list(traj.tokens)
+
+  @staticmethod
+  def _end(traj: Trajectory, finish: str) -> None:
+    """End a trajectory: the environment's tokens after the policy's last one dropped (they
+    carry no loss and nothing follows them)."""
+    traj.finish = finish
+    n = len(traj.policy)
+    while n and not traj.policy[n - 1]:
+      n -= 1
+    del traj.policy[n:], traj.logprobs[n:], traj.tokens[traj.prompt_len + n:]
+    return None
+
+  def reply_cap(self, traj: Trajectory) -> int:
+    return min(self.max_reply_tokens, self.max_tokens - len(traj.tokens))
+
+
+def rollout(engine: Engine, tasks: Sequence, env: ToolEnv, *, temperature: float = 1.0,
+            seed: int = 0) -> list[Trajectory]:
+  """Run every task to its end through the engine (module doc): all trajectories' turns are
+  in flight together; each finished reply is handed to the environment and the next turn
+  submitted at once. Request seeds are fixed by (seed, trajectory, turn)."""
+  end = env.ids[chat.END]
+  if engine.ec.max_len < env.max_tokens:
+    raise ValueError(f"env.max_tokens={env.max_tokens} exceeds the engine's max_len="
+                     f"{engine.ec.max_len}")
+  trajs = [Trajectory(t, list(t.tokens), len(t.tokens)) for t in tasks]
+  active: dict[str, tuple[int, int]] = {}
+
+  def submit(i: int):
+    traj = trajs[i]
+    cap = env.reply_cap(traj)
+    if cap < 1:
+      env._end(traj, "token_limit")
+      return
+    s = (seed * 1_000_003 + i * 7919 + len(traj.turns) * 104_729) % 2 ** 32
+    params = RequestParams(max_tokens=cap, temperature=temperature, seed=s, stop_tokens=(end,),
+                           include_stop=True)
+    active[engine.submit(traj.tokens, params)] = (i, len(traj.tokens))
+
+  for i in range(len(trajs)):
+    submit(i)
+  while active:
+    engine.step()
+    for rid, (i, plen) in list(active.items()):
+      req = engine.requests[rid]
+      if not req.done:
+        continue
+      engine.pop(rid)
+      del active[rid]
+      if req.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"rollout: request {rid} ended with {req.finish_reason}: "
+                           f"{req.error}")
+      if env.after_reply(trajs[i], req.tokens, req.logprobs, req.finish_reason,
+                         req.cached_tokens, plen) is not None:
+        submit(i)
+  return trajs
+
+
+def training_rows(trajs: Sequence[Trajectory], width: int, resp_width: int):
+  """(seqs [B,width], prompt_lens [B], mask [B,resp_width], behaviour_lp [B,resp_width]) for
+  the RL step (k3jax/posttrain/rl/update.py): mask = the policy's own tokens. Every row needs
+  prompt_len + resp_width <= width (the trainer reads resp_width tokens after the prompt)."""
+  b = len(trajs)
+  seqs = np.zeros((b, width), np.int32)
+  plens = np.zeros(b, np.int32)
+  mask = np.zeros((b, resp_width), np.float32)
+  blp = np.zeros((b, resp_width), np.float32)
+  for i, t in enumerate(trajs):
+    n = len(t.tokens) - t.prompt_len
+    if t.prompt_len + resp_width > width or n > resp_width:
+      raise ValueError(f"trajectory {i}: {len(t.tokens)} tokens ({n} after the prompt) "
+                       f"exceed width={width} / resp_width={resp_width}")
+    seqs[i, :len(t.tokens)] = t.tokens
+    plens[i] = t.prompt_len
+    mask[i, :n] = t.policy
+    blp[i, :n] = t.logprobs
+  return seqs, plens, mask, blp
+
+
+__all__ = ["FINISHES", "ToolEnv", "Trajectory", "Turn", "ReplyTokens", "rollout",
+           "training_rows"]
