@@ -1,23 +1,70 @@
 """Kimi K3 (docs/k3.md §1, Table 1): the full model. Needs an accelerator pod (with a `config.mesh` layout);
 the numbers follow docs/k3.md §8 — 1% warm-up cosine, Per-Head Muon, QK-Clip τ=100, QB with 1000
-bins — and the report's context curriculum 8K → 64K (pre-training stages).
+bins — and the report's whole context curriculum as `train.stages`: 8K → 64K in pre-training,
+then 256K → 1M in the cool-down on long-document rows with evidence tasks mixed in.
+
+The report gives the lengths, not how long each stage runs nor its batch: here 80% / 15% / 4% /
+1% of the steps, and 16M tokens a step throughout (the batch shrinks as the rows grow). Every
+stage runs on the same 2048 chips (v5p:16x16x8) with one sequence's tokens on `context` × 8K
+(the batch over data × fsdp × expert, experts over `expert`), and its own memory settings:
+
+  stage      seq_len    batch  layout (data, fsdp, expert, context)  memory
+  pre 8K       8,192    2,048  1, 32, 64,   1   remat per layer group
+  pre 64K     65,536      256  1,  4, 64,   8   + MLA from the latents in 2K-key blocks
+  cool 256K  262,144       64  1,  1, 64,  32   + layer inputs and Muon momentum in host memory
+  cool 1M  1,048,576       16  1,  1, 16, 128   + the same, 4K-key blocks
+
+(docs/notes/long_context.md: why each setting, and what was measured.)
 """
 
 from k3jax.train.run import base_config
+
+TOKENS_PER_STEP = 1 << 24   # 16M
+STEPS = 100_000
+
+
+def _stage(steps, seq_len, *, fsdp, expert, context, modes, data="", evidence_fraction=0.0,
+           offload_momentum=None):
+  return dict(steps=steps, seq_len=seq_len, batch_size=TOKENS_PER_STEP // seq_len,
+              mesh=dict(data=1, fsdp=fsdp, expert=expert, context=context, tensor=1),
+              modes=modes, data=data, evidence_fraction=evidence_fraction,
+              offload_momentum=offload_momentum)
+
+
+def stages():
+  """The curriculum: pre-training 8K → 64K, cool-down 256K → 1M (module doc)."""
+  long_rows = dict(remat=True, remat_offload=True, mla_query_block=4096, kda_chunk_size=64)
+  return (
+      _stage(80_000, 8_192, fsdp=32, expert=64, context=1,
+             modes=dict(remat=True, mla_query_block=1024, mla_key_block=None)),
+      _stage(15_000, 65_536, fsdp=4, expert=64, context=8,
+             modes=dict(remat=True, mla_query_block=2048, mla_key_block=2048)),
+      _stage(4_000, 262_144, fsdp=1, expert=64, context=32, data="long",
+             evidence_fraction=0.1, offload_momentum=True,
+             modes=dict(long_rows, mla_key_block=2048)),
+      _stage(1_000, 1_048_576, fsdp=1, expert=16, context=128, data="long",
+             evidence_fraction=0.1, offload_momentum=True,
+             modes=dict(long_rows, mla_key_block=4096)),
+  )
 
 
 def get_config():
   c = base_config("k3")
   c.model.dtype = "bfloat16"
   c.model.remat = True
-  c.train.steps = 100_000
-  c.train.batch_size = 1024
-  c.train.seq_len = 65536
-  c.train.curriculum = "80000:8192"   # 8K for 80% of the steps, then 64K
+  c.train.steps = STEPS
+  c.train.batch_size = TOKENS_PER_STEP // 8_192
+  c.train.seq_len = 8_192
+  c.train.stages = stages()
   c.train.checkpoint_every = 1000
   c.train.eval_every = 1000
   c.train.log_every = 10
-  c.train.data_parallel = True
+  c.mesh.data = 1
+  c.mesh.fsdp = 32
+  c.mesh.expert = 64
   c.optim.lr = 2e-4
   c.balance.num_bins = 1000
+  # Cool-down rows: documents of ≥ 64K tokens count as long and anchor rows 4× their share.
+  c.data.long_threshold = 65_536
+  c.data.long_upsample = 4.0
   return c

@@ -260,6 +260,7 @@ class TextConfig:
   mla_every: int = 4
   mla_last: bool = True
   first_dense_layers: int = 1
+  kda_only: bool = False   # no MLA layer at all: an ablation only (validate)
 
   # --- Kimi Delta Attention (§3)
   kda_num_heads: int = 96
@@ -403,11 +404,15 @@ class TextConfig:
       bad("activation", f"expected 'situ' or 'swiglu', found {self.activation!r}")
     if self.num_mtp_layers > 1:
       bad("num_mtp_layers", f"0 or 1 supported, found {self.num_mtp_layers}")
-    # The hybrid needs global attention at the end of the stack (K3 and Kimi Linear both end
-    # on MLA): a stack without any MLA layer is wrong.
-    if not any(self.is_mla(i) for i in range(self.num_layers)):
+    # K3 and Kimi Linear both end on MLA (global attention). A stack without any MLA layer
+    # (mla_every > num_layers, mla_last=False) is allowed only as that, stated: the KDA-only
+    # ablation of experiments/recall_extend.py (kda_only=True); otherwise it is a mistake.
+    if not self.kda_only and not any(self.is_mla(i) for i in range(self.num_layers)):
       bad("num_layers", f"{self.num_layers} layers with mla_every={self.mla_every} and "
-          "mla_last=False leave no MLA layer")
+          "mla_last=False leave no MLA layer (kda_only=True for a KDA-only stack)")
+    if self.kda_only and any(self.is_mla(i) for i in range(self.num_layers)):
+      bad("kda_only", f"set, but layers {[i for i in range(self.num_layers) if self.is_mla(i)]}"
+          " are MLA (mla_every > num_layers and mla_last=False for none)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,12 +427,19 @@ class RunModes:
                                    # them; vectors, norms, convs and the router stay fp32)
   scan_layers: bool = True         # nn.scan over the repeating body (fast compile of 93 layers)
   remat: bool = False              # rematerialise each layer (scanned group) in the backward
+  remat_offload: bool = False      # with remat: the layer inputs it keeps live in host memory
   kernel_backend: Literal["xla", "pallas", "auto"] = "xla"
   kda_chunk_size: int = 64         # tokens per chunk of the chunked KDA form (× 16)
   # Training/prefill attention over more queries than this runs in query blocks of this size,
   # each rematerialised in the backward pass (temporaries [B,H,block,S] instead of [B,H,T,S]);
   # None: all queries at once. Numerics are the same.
   mla_query_block: int | None = 512
+  # Long rows: an int runs training/prefill attention straight from the latents in blocks of
+  # this many keys (ops/mla_blockwise.py: keys/values expanded one block at a time, online
+  # softmax, causal blocks skipped); under a context mesh the latents (kv_lora_rank + rope
+  # numbers a token) are all-gathered instead of the expanded keys and values. None: the
+  # materialised form above.
+  mla_key_block: int | None = None
   # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
   moe_capacity_factor: float | None = None
 
@@ -482,6 +494,12 @@ class RunModes:
     if self.mla_query_block is not None and (
         not isinstance(self.mla_query_block, int) or self.mla_query_block <= 0):
       bad("mla_query_block", f"expected a positive int or None, found {self.mla_query_block!r}")
+    if self.mla_key_block is not None and (
+        not isinstance(self.mla_key_block, int) or isinstance(self.mla_key_block, bool)
+        or self.mla_key_block <= 0):
+      bad("mla_key_block", f"expected a positive int or None, found {self.mla_key_block!r}")
+    if self.remat_offload and not self.remat:
+      bad("remat_offload", "offloads what remat keeps: set remat=True too")
     if self.kernel_backend not in ("xla", "pallas", "auto"):
       bad("kernel_backend", f"expected 'xla', 'pallas' or 'auto', found {self.kernel_backend!r}")
     if self.expert_format not in ("bf16", "mxfp4"):

@@ -48,6 +48,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from k3jax import sharding
 from k3jax.cache import Cache
@@ -85,6 +86,10 @@ class DecoderLayer(nn.Module):
     # layer batch-sharded (and sequence-sharded over `context`) under an active mesh.
     state = sharding.constrain_activations(state)
     cfg = self.config
+    if cfg.modes.remat_offload and cache is None:
+      # What a rematerialised layer keeps for its backward: named, and moved to host memory
+      # by `_maybe_remat`'s policy.
+      state = jax.tree.map(lambda a: checkpoint_name(a, LAYER_INPUT), state)
     eps = cfg.text.rms_norm_eps
     attn = (KDALayer if self.mixer == KDA else MLALayer)(cfg, name="self_attn")
     if self.mlp == DENSE:
@@ -169,6 +174,20 @@ class LayerGroup(nn.Module):
     return state, (new if cache is not None else None)
 
 
+LAYER_INPUT = "layer_input"   # the checkpoint name of a layer's input (remat_offload)
+
+
+def _remat_policy(cfg: ModelConfig):
+  """None (keep nothing but the remat'd function's inputs), or with `remat_offload` the
+  layers' inputs (LAYER_INPUT) saved in pinned host memory: device memory then holds one
+  layer's activations at a time, host memory every layer's input."""
+  if not cfg.modes.remat_offload:
+    return None
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+      offload_src="device", offload_dst="pinned_host")
+
+
 def _maybe_remat(cls, cfg: ModelConfig, static_argnums=(), scanned: bool = False):
   """`cls` rematerialised in the backward pass when `cfg.modes.remat` — the one remat policy of the
   model, for the scanned groups and for the unrolled prefix / suffix / MTP layers alike
@@ -183,7 +202,7 @@ def _maybe_remat(cls, cfg: ModelConfig, static_argnums=(), scanned: bool = False
   if not cfg.modes.remat:
     return cls
   return nn.remat(cls, prevent_cse=not (scanned and cfg.modes.scan_layers),
-                  static_argnums=static_argnums)
+                  static_argnums=static_argnums, policy=_remat_policy(cfg))
 
 
 def _layer_cls(cfg: ModelConfig):

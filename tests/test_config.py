@@ -57,12 +57,20 @@ def test_kimi_linear_switches():
     (dict(d_model=0), "d_model"),
     (dict(kernel_backend="cuda"), "kernel_backend"),
     (dict(mla_every=4, mla_last=False, num_layers=3), "num_layers"),
+    (dict(num_layers=4, kda_only=True), "kda_only"),   # layer 3 is MLA
+    (dict(mla_key_block=0), "mla_key_block"),
+    (dict(remat_offload=True), "remat_offload"),       # without remat
     (dict(qb_range=(1.0, -1.0)), "qb_range"),
     (dict(first_dense_layers=20), "first_dense_layers"),
 ])
 def test_invalid_configs_name_the_field(overrides, field):
   with pytest.raises(ValueError, match=field):
     cfg.preset("tiny", **overrides)
+
+
+def test_kda_only_stack_when_stated():
+  c = cfg.preset("tiny", num_layers=4, mla_every=5, mla_last=False, kda_only=True)
+  assert [m for m, _ in c.text.layer_types()] == ["kda"] * 4
 
 
 def test_unknown_preset_and_field():

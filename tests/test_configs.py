@@ -7,7 +7,9 @@ import pathlib
 import pytest
 
 from cli_env import ROOT
+from k3jax import sharding
 from k3jax.posttrain.rl.loop import RL_GROUPS, rl_config
+from k3jax.train import stages as S
 from k3jax.train.run import run_config
 from tools.param_count import count_params
 
@@ -34,3 +36,31 @@ def test_gpu_1b_is_k3_shaped_at_one_billion():
   assert model.text.kda_head_dim == 128 and model.text.kda_lower_bound is not None
   assert (model.text.num_experts, model.text.experts_per_token) == (64, 8)
   assert model.modes.dtype == "bfloat16" and cfg.train.seq_len * cfg.train.batch_size >= 16384
+
+
+def test_k3_curriculum_is_the_reports_with_a_layout_per_stage():
+  """configs/k3.py: 8K → 64K in pre-training, 256K → 1M in the cool-down (docs/k3.md §8) as
+  train.stages covering every step; the cool-down on long-document rows with evidence tasks;
+  each stage's layout uses the same 2048 chips with 8K tokens of a sequence per chip, passes
+  the shape checks (experts, batch, context) and keeps whole KDA chunks and MLA key blocks on
+  each context shard; the longer rows run with remat, latent MLA and host offload."""
+  run = run_config(importlib.import_module("configs.k3").get_config())
+  plan = run.train.stage_plan()
+  assert [st.seq_len for st in plan] == [8192, 65536, 262144, 1048576]
+  assert sum(st.steps for st in plan) == run.train.steps
+  assert [st.data for st in plan] == ["", "", "long", "long"]
+  assert all(st.evidence_fraction > 0 for st in plan[2:])
+  assert {st.batch_size * st.seq_len for st in plan} == {1 << 24}
+  contexts = []
+  for st in plan:
+    stage = S.stage_run(run, st)
+    modes, shape = stage.model.modes, sharding.mesh_shape(stage.mesh, 2048)
+    mesh = sharding.abstract_mesh(stage.mesh, 2048)
+    sharding.check_shapes(stage.model, mesh, batch_size=st.batch_size, seq_len=st.seq_len)
+    shard = st.seq_len // shape["context"]
+    assert shard == 8192 and shard % modes.kda_chunk_size == 0
+    assert modes.remat and (modes.mla_key_block is None or shard % modes.mla_key_block == 0)
+    contexts.append(shape["context"])
+    assert (st.seq_len > 65536) == modes.remat_offload == bool(stage.optim.offload_momentum)
+    assert (st.seq_len > 8192) == (modes.mla_key_block is not None)
+  assert contexts == [1, 8, 32, 128]

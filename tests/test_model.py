@@ -451,3 +451,20 @@ def test_bad_input():
     preset("tiny", experts_per_token=9)
   with pytest.raises(ValueError, match="attn_res_block_size"):
     preset("tiny", attn_res_block_size=0)
+
+
+def test_remat_offload_moves_the_layer_inputs_to_host():
+  """remat_offload: the differentiated program moves each layer's residual stream to host
+  memory and back (device_put to MemorySpace.Host / Device: copies, so the gradient is plain
+  remat's); plain remat moves nothing. Traced abstractly."""
+  base = preset("tiny", num_layers=5, num_mtp_layers=0, remat=True)   # prefix, group, suffix
+  tok = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+  v = nn.unbox(jax.eval_shape(K3Model(base).init, jax.random.PRNGKey(0), tok))
+
+  def moves(cfg, space):
+    g = jax.grad(lambda p, t: jnp.sum(K3Model(cfg).apply({**v, "params": p}, t)))
+    return str(jax.make_jaxpr(g)(v["params"], tok)).count(f"MemorySpace.{space}")
+
+  off = base.replace(remat_offload=True)
+  assert moves(base, "Host") == 0
+  assert moves(off, "Host") == moves(off, "Device") >= 3   # prefix, scanned group, suffix

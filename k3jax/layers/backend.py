@@ -25,7 +25,8 @@ from k3jax.ops.kda import kda_chunked
 from k3jax.ops.mla import mla_attention
 from k3jax.ops.moe import expert_mlp
 from k3jax.parallel.context import (maybe_context_parallel, maybe_context_parallel_attention,
-                                    maybe_context_parallel_conv)
+                                    maybe_context_parallel_conv,
+                                    maybe_context_parallel_latent_attention)
 from k3jax.parallel.expert import maybe_expert_parallel
 from pallas_kernels.kda_chunk import kda_chunked_pallas
 from pallas_kernels.moe_gmm import gmm as pallas_gmm
@@ -136,5 +137,12 @@ def mla_attention_fn():
   return maybe_context_parallel_attention(mla_attention)
 
 
+def mla_latent_attention_fn():
+  """`k3jax.ops.mla_blockwise.mla_latent_attention` (attention from the latents in key
+  blocks), or — under a mesh with context > 1 — its context-parallel form (the latents
+  all-gathered over `context`), same signature."""
+  return maybe_context_parallel_latent_attention()
+
+
 __all__ = ["Kernels", "kernels", "resolve", "kda_chunked_fn", "expert_mlp_fn", "short_conv_fn",
-           "mla_attention_fn"]
+           "mla_attention_fn", "mla_latent_attention_fn"]

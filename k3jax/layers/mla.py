@@ -3,8 +3,10 @@
 q: q_a_proj → RMSNorm → q_b_proj (or a single q_proj when q_lora_rank is None), split into the
 per-head "nope" part and the "rope" part (never rotated: NoPE). kv: kv_a_proj_with_mqa gives the
 latent c (RMSNorm'd) and a key part shared by all heads; kv_b_proj(c) gives per-head key and value.
-Causal softmax attention with scale (nope+rope)^-0.5, fp32 output, × sigmoid(g_proj x) when
-`mla_output_gate`, then o_proj. Sows `max_logit` [H] (fp32) into "stats" for QK-Clip.
+Causal softmax attention with scale (nope+rope)^-0.5 — on materialised keys/values, or with
+`mla_key_block` straight from the latents in key blocks (k3jax/ops/mla_blockwise.py) — fp32
+output, × sigmoid(g_proj x) when `mla_output_gate`, then o_proj. Sows `max_logit` [H] (fp32)
+into "stats" for QK-Clip.
 
 Decoding: with `cache` (an `MLACache`: the normalised latent and the shared key part of every
 cached token, in a buffer preallocated for max_len tokens) and a `Feed`, the new tokens'
@@ -118,10 +120,21 @@ class MLA(nn.Module):
     if cache is not None:
       return self._extend(x, cache, feed)
     q = self.query(x)
-    k, v = self.keys_values(*self.latent(x))
-    attention = backend.mla_attention_fn()   # context-parallel under a context mesh
-    o, max_logit = attention(q, k, v, scale=cfg.text.qk_head_dim ** -0.5, segment_ids=segment_ids,
-                             query_block=cfg.modes.mla_query_block)
+    scale = cfg.text.qk_head_dim ** -0.5
+    c_kv, k_rope = self.latent(x)
+    if cfg.modes.mla_key_block and not self.is_initializing():
+      # Long rows: attention from the latents, keys expanded one block at a time (the
+      # latents, not the keys, are gathered under a context mesh).
+      kv_b = effective_kernel(self.kv_b_proj).astype(dtype_of(cfg.modes.dtype))
+      attention = backend.mla_latent_attention_fn()
+      o, max_logit = attention(q, c_kv, k_rope, kv_b, scale=scale,
+                               key_block=cfg.modes.mla_key_block, segment_ids=segment_ids,
+                               query_block=cfg.modes.mla_query_block)
+    else:
+      k, v = self.keys_values(c_kv, k_rope)
+      attention = backend.mla_attention_fn()   # context-parallel under a context mesh
+      o, max_logit = attention(q, k, v, scale=scale, segment_ids=segment_ids,
+                               query_block=cfg.modes.mla_query_block)
     sow_stat(self, "max_logit", max_logit)
     return self.output(x, o)
 

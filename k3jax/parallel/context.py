@@ -16,8 +16,14 @@ applied by zeroing the carried-in state (the previous shard's last segment id ar
 Short convolutions (`causal_conv_context_parallel`): each shard receives the last W−1 inputs of
 the previous shard by `ppermute` (zeros for the first shard).
 
-MLA (`mla_attention_context_parallel`): keys/values (or the latents they are expanded from) are
-all-gathered over `context`; queries keep their shard and the causal mask uses global positions.
+MLA (`mla_attention_context_parallel`): keys/values are all-gathered over `context`; queries
+keep their shard and the causal mask uses global positions. For long rows
+(`mla_latent_context_parallel`, RunModes.mla_key_block) the *latents* are gathered instead —
+L + R numbers a token (576 for k3, 1152 bytes in bf16: 1.1 GiB a layer at 1M tokens) where the
+expanded keys and values are H·(Dk + V) (30720 for k3: 61 GiB at 1M) — and expanded one key
+block at a time inside the attention loop (k3jax/ops/mla_blockwise.py). Gathered, not passed
+round a ring: the gathered latents fit easily at 1M, one collective replaces context − 1
+dependent hops, and each shard then skips the key blocks after its last query by itself.
 A length the context axis does not divide (the MTP layer's T−1 positions) is padded at the end
 to the next multiple: the causal mask hides the padded keys from every real query, and padded
 queries are left out of the max logit and sliced off the output.
@@ -42,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax import sharding
 from k3jax.ops.kda import kda_chunked
+from k3jax.ops.mla_blockwise import mla_latent_attention
 
 Array = jax.Array
 CONTEXT = "context"
@@ -235,6 +242,37 @@ def mla_attention_context_parallel(
   return o, max_logit
 
 
+def mla_latent_context_parallel(
+    q: Array, c: Array, k_rope: Array, w_kv: Array, *, scale: float, key_block: int,
+    segment_ids: Array | None = None, axis_name: str = CONTEXT, length: int | None = None,
+    query_block: int | None = None) -> tuple[Array, Array]:
+  """Causal attention of this shard's queries over the whole sequence's *latents*; inside
+  shard_map.
+
+  Args (local shards; T_l = T / context):
+    q [B,T_l,H,Dk]; c [B,T_l,L] and k_rope [B,T_l,R] this shard's latents (all-gathered
+    here: L + R numbers a token — 576 for k3 — where the expanded keys and values would be
+    H·(Dk + V)); w_kv [L,H,nope+V] kv_b (the heads this shard holds); segment_ids [B,T_l] or
+    None; length: global positions ≥ `length` are padding (left out of `max_logit`).
+  The keys are expanded one block of `key_block` at a time (`ops.mla_blockwise`); a shard
+  (each of its `query_block`s of queries) visits only the key blocks up to its last query.
+  Returns (o fp32 [B,T_l,H,V], max_logit [H] over this shard's rows and every shard's
+  queries).
+  """
+  t_l = q.shape[1]
+  idx = jax.lax.axis_index(axis_name)
+  cg, krg = all_gather_sequence(c, axis_name), all_gather_sequence(k_rope, axis_name)
+  segg = None if segment_ids is None else all_gather_sequence(segment_ids, axis_name)
+  qpos = idx * t_l + jnp.arange(t_l)
+  o, max_logit = mla_latent_attention(
+      q, cg, krg, w_kv, scale=scale, key_block=key_block, segment_ids=segg,
+      q_segment_ids=(jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None
+                     else segment_ids),
+      q_start=idx * t_l, q_valid=None if length is None else qpos < length,
+      query_block=query_block)
+  return o, jax.lax.pmax(max_logit, axis_name)
+
+
 def _check_divisible(mesh, t: int, what: str) -> None:
   n = sharding.axis_size(mesh, CONTEXT)
   if t % n:
@@ -314,6 +352,45 @@ def maybe_context_parallel_attention(attn_fn: Callable) -> Callable:
   return run
 
 
+def maybe_context_parallel_latent_attention() -> Callable:
+  """`ops.mla_blockwise.mla_latent_attention(q, c, k_rope, w_kv, *, scale, key_block,
+  segment_ids=None, query_block=None) → (o, max_logit [H])` itself, or — when the mesh in
+  context has context > 1 — the same attention with queries sharded over the sequence and the latents all-gathered
+  (`mla_latent_context_parallel`); a length T the context axis does not divide (the MTP
+  layer's T − 1) is padded at the end as in `maybe_context_parallel_attention`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  n = sharding.axis_size(mesh, CONTEXT)
+  if n <= 1:
+    return mla_latent_attention
+  bt = P(sharding.BATCH_AXES, CONTEXT, "tensor")
+  seq = P(sharding.BATCH_AXES, CONTEXT)
+  batch_axes = tuple(a for a in sharding.BATCH_AXES if sharding.axis_size(mesh, a) > 1)
+
+  def body(q, c, kr, w, *seg, scale, key_block, query_block, length):
+    o, m = mla_latent_context_parallel(q, c, kr, w, scale=scale, key_block=key_block,
+                                       segment_ids=_segments(seg), length=length,
+                                       query_block=query_block)
+    return o, (jax.lax.pmax(m, batch_axes) if batch_axes else m)
+
+  def run(q, c, k_rope, w_kv, *, scale, key_block, segment_ids=None, query_block=None):
+    t = q.shape[1]
+    pad = -t % n
+    if pad:
+      q, c, k_rope = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+                      for a in (q, c, k_rope))
+      if segment_ids is not None:
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
+    args, specs = _with_segments((q, c, k_rope, w_kv), (bt, seq, seq, P(None, "tensor")),
+                                 segment_ids, seq)
+    fn = jax.shard_map(functools.partial(body, scale=scale, key_block=key_block,
+                                         query_block=query_block, length=t if pad else None),
+                       mesh=mesh, in_specs=specs, out_specs=(bt, P("tensor")), check_vma=False)
+    o, max_logit = fn(*args)
+    return (o[:, :t] if pad else o), max_logit
+
+  return run
+
+
 def maybe_context_parallel(kda_fn: Callable) -> Callable:
   """`kda_fn` itself, or — when the mesh in context (`jax.set_mesh`) has context > 1 — a
   function with the same signature that runs it context-parallel over global arrays.
@@ -341,5 +418,6 @@ def maybe_context_parallel(kda_fn: Callable) -> Callable:
 __all__ = [
     "from_previous_shard", "kda_context_parallel", "kda_context_parallel_sharded",
     "causal_conv_context_parallel", "all_gather_sequence", "mla_attention_context_parallel",
-    "maybe_context_parallel", "maybe_context_parallel_conv", "maybe_context_parallel_attention",
+    "mla_latent_context_parallel", "maybe_context_parallel", "maybe_context_parallel_conv",
+    "maybe_context_parallel_attention", "maybe_context_parallel_latent_attention",
 ]

@@ -69,6 +69,84 @@ class LoRARun:
             f"checkpoint path {self.base!r} does not exist")
 
 
+# RunModes fields a stage may set: how the model runs, never what it is (a stage's step reads
+# and writes the same variables as every other stage's).
+STAGE_MODES = ("remat", "remat_offload", "mla_query_block", "mla_key_block", "kda_chunk_size",
+               "moe_capacity_factor", "kernel_backend")
+STAGE_MESH = ("data", "fsdp", "expert", "context", "tensor", "fsdp_over_data")
+STAGE_DATA = ("", "long")
+
+
+def _pairs(value, field: str, allowed: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+  """A mapping (or pairs) of overrides → sorted (name, value) pairs, names checked."""
+  if isinstance(value, str):
+    raise ValueError(f"config.{field}: expected a mapping of overrides, found {value!r}")
+  items = value.items() if hasattr(value, "items") else [tuple(p) for p in value]
+  out = {}
+  for k, v in items:
+    _need(k in allowed, field, f"unknown field {k!r} (allowed: {list(allowed)})")
+    out[k] = v
+  return tuple(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage of the context curriculum (`train.stages`): `steps` steps of `batch_size`
+  sequences of `seq_len` tokens, on the stage's own mesh, memory settings and data.
+
+  batch_size / grad_accum: 0 takes train's. `mesh`: axis sizes over the run's `mesh` group
+  (e.g. {"context": 8, "fsdp": 4}; STAGE_MESH). `modes`: RunModes fields over the model's
+  (STAGE_MODES: remat, host offload, attention block, KDA chunk, capacity, kernels) — how the
+  step runs, never the variables it trains. `offload_momentum`: None keeps optim's.
+  `data`: "" the run's data (data.source), "long" long-document rows of the same corpus
+  (k3jax/data/long_docs.py: data.long_threshold, data.long_upsample) with
+  `evidence_fraction` of the rows synthetic evidence tasks (k3jax/data/evidence.py).
+  """
+  steps: int
+  seq_len: int
+  batch_size: int = 0
+  grad_accum: int = 0
+  mesh: tuple[tuple[str, Any], ...] = ()
+  modes: tuple[tuple[str, Any], ...] = ()
+  offload_momentum: bool | None = None
+  data: str = ""
+  evidence_fraction: float = 0.0
+
+  def __post_init__(self):
+    object.__setattr__(self, "mesh", _pairs(self.mesh, "train.stages.mesh", STAGE_MESH))
+    object.__setattr__(self, "modes", _pairs(self.modes, "train.stages.modes", STAGE_MODES))
+    for f in ("steps", "seq_len"):
+      _need(_positive_int(getattr(self, f)), f"train.stages.{f}",
+            f"expected a positive int, found {getattr(self, f)!r}")
+    for f in ("batch_size", "grad_accum"):
+      _need(_non_negative_int(getattr(self, f)), f"train.stages.{f}",
+            f"expected a non-negative int (0: train's), found {getattr(self, f)!r}")
+    _need(self.data in STAGE_DATA, "train.stages.data",
+          f"expected one of {STAGE_DATA}, found {self.data!r}")
+    _need(0 <= self.evidence_fraction <= 1, "train.stages.evidence_fraction",
+          f"expected a value in [0, 1], found {self.evidence_fraction}")
+    _need(not self.evidence_fraction or self.data == "long", "train.stages.evidence_fraction",
+          "evidence rows are mixed into long-document rows: set data='long'")
+
+  @classmethod
+  def of(cls, value) -> "Stage":
+    """A Stage from a Stage, a mapping (ConfigDict) of its fields, or (steps, seq_len)."""
+    if isinstance(value, Stage):
+      return value
+    if hasattr(value, "items"):
+      d = _plain(value)
+      unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+      _need(not unknown, "train.stages", f"unknown field(s) {unknown}")
+      return cls(**{k: (_plain(v) if hasattr(v, "items") else v) for k, v in d.items()})
+    steps, seq_len = value
+    return cls(int(steps), int(seq_len))
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["mesh"], d["modes"] = dict(self.mesh), dict(self.modes)
+    return d
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 300
@@ -82,6 +160,7 @@ class TrainConfig:
   mtp_weight: float = 0.3
   max_to_keep: int = 3
   curriculum: str = ""           # "steps:seq_len,…" stages (k3jax/data/corpus.py)
+  stages: tuple[Stage, ...] = ()  # or stages with their own mesh / memory / data (Stage)
   progress: bool = True
   tensorboard: bool = True
   async_checkpoint: bool = True
@@ -103,13 +182,43 @@ class TrainConfig:
     _need(self.batch_size % self.grad_accum == 0, "train.batch_size",
           f"must be divisible by train.grad_accum={self.grad_accum} (micro-batches), found "
           f"{self.batch_size}")
-    parse_curriculum(self.curriculum)
+    object.__setattr__(self, "stages", tuple(Stage.of(x) for x in self.stages))
+    pairs = parse_curriculum(self.curriculum)
+    _need(not (self.stages and pairs), "train.curriculum",
+          "set train.curriculum (steps:seq_len pairs) or train.stages, not both")
+    planned = sum(st.steps for st in self.stages)
+    _need(planned <= self.steps, "train.stages",
+          f"the stages' steps add up to {planned}, more than train.steps={self.steps}")
+    for st in self.stages:
+      b, a = st.batch_size or self.batch_size, st.grad_accum or self.grad_accum
+      _need(b % a == 0, "train.stages.batch_size",
+            f"must be divisible by the stage's grad_accum={a}, found {b}")
     r = self.lora.rank
     _need(not (r and self.freeze_experts), "train.freeze_experts",
           "LoRA (train.lora.rank > 0) already freezes every base weight; leave it False")
     _need(not (r and self.init), "train.init",
           "a LoRA run (train.lora.rank > 0) starts its adapters on train.lora.base; set that "
           "instead of train.init")
+
+  def stage_plan(self) -> tuple[Stage, ...]:
+    """Every step's stage, in order: `stages` (or the curriculum's pairs as plain stages),
+    then the rest of `steps` at `seq_len` with the run's own settings."""
+    listed = self.stages or tuple(Stage(n, t) for n, t in parse_curriculum(self.curriculum))
+    rest = self.steps - sum(st.steps for st in listed)
+    return listed + ((Stage(rest, self.seq_len),) if rest > 0 else ())
+
+  def stage_at(self, step: int) -> tuple[int, Stage]:
+    """(index into `stage_plan()`, stage) of 0-based `step` (the last stage past the end)."""
+    plan, start = self.stage_plan(), 0
+    for i, st in enumerate(plan):
+      if step < start + st.steps:
+        return i, st
+      start += st.steps
+    return len(plan) - 1, plan[-1]
+
+  def stage_start(self, index: int) -> int:
+    """The first step of stage `index` of `stage_plan()`."""
+    return sum(st.steps for st in self.stage_plan()[:index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +272,22 @@ class DataConfig:
   sft_file: str = ""
   sft_num_train: int = 20000
   sft_num_eval: int = 256
+  # Stages with data="long" (k3jax/data/long_docs.py): documents of at least long_threshold
+  # tokens are "long" (0: a quarter of the stage's seq_len) and anchor rows long_upsample
+  # times more often than their share; evidence answers weigh answer_weight in the loss.
+  long_threshold: int = 0
+  long_upsample: float = 4.0
+  answer_weight: float = 1.0
 
   def __post_init__(self):
     _need(0 <= self.text_fraction <= 1, "data.text_fraction",
           f"expected a value in [0, 1], found {self.text_fraction}")
+    _need(_non_negative_int(self.long_threshold), "data.long_threshold",
+          f"expected a non-negative int, found {self.long_threshold!r}")
+    _need(self.long_upsample >= 1, "data.long_upsample",
+          f"expected >= 1, found {self.long_upsample}")
+    _need(self.answer_weight >= 0, "data.answer_weight",
+          f"expected >= 0, found {self.answer_weight}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,5 +414,5 @@ def write_json(run: RunConfig, path: str) -> None:
   os.replace(tmp, path)
 
 
-__all__ = ["RunConfig", "TrainConfig", "LoRARun", "OptimConfig", "BalanceConfig", "DataConfig",
+__all__ = ["RunConfig", "Stage", "STAGE_MODES", "STAGE_MESH", "TrainConfig", "LoRARun", "OptimConfig", "BalanceConfig", "DataConfig",
            "MeshConfig", "run_config", "model_config", "base_config", "write_json"]

@@ -46,6 +46,7 @@ from k3jax.data import corpus as corpus_lib
 from k3jax.data.tokenizers import MEDIA
 from k3jax.train import metrics as metrics_lib
 from k3jax.train import run as run_lib
+from k3jax.train import stages as stages_lib
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.run import RunConfig
 from k3jax.train.sharded import PRETRAIN, Step, build_step
@@ -117,18 +118,18 @@ def make_data(run: RunConfig, config: ModelConfig):
   held-out captions, and the same captions with each other's images ("shuffled")."""
   t, d = run.train, run.data
   n_eval = t.eval_batches if t.eval_every else 0
-  curriculum = corpus_lib.parse_curriculum(t.curriculum)
+  staged = bool(t.stages or corpus_lib.parse_curriculum(t.curriculum))
   if d.source == SFT:
-    if curriculum:
+    if staged:
       raise ValueError("config.train.curriculum: not supported with data.source='sft' (rows "
-                       "are packed once, at train.seq_len)")
+                       "are packed once, at train.seq_len); nor are train.stages")
     train_convs, held = sft.conversations(d.sft_file, d.eval_percent, run.seed,
                                           d.sft_num_train, d.sft_num_eval)
     it, evals = sft.training_data(train_convs, held, t.seq_len, t.batch_size, run.seed, n_eval)
     return it, evals, []
   if d.source != SHAPES:
     corpus = corpus_lib.load_corpus(d.source, d.eval_percent, config.text.vocab_size)
-    it = corpus_lib.DataIterator(corpus, t.batch_size, t.seq_len, run.seed, curriculum)
+    it = stages_lib.StagedData(run, corpus)   # the curriculum's stages (one when none)
     evals = corpus_lib.eval_batches(corpus, n_eval, t.batch_size, t.seq_len, run.seed)
     return it, (evals if n_eval else []), []
   if config.vision is None:
@@ -138,9 +139,9 @@ def make_data(run: RunConfig, config: ModelConfig):
     raise ValueError(f"config.model.media_placeholder_token_id: the shapes corpus writes the "
                      f"byte tokenizer's <media> = {MEDIA}, found "
                      f"{config.media_placeholder_token_id}")
-  if curriculum:
+  if staged:
     raise ValueError("config.train.curriculum: not supported with data.source='shapes' (one "
-                     "row length per run)")
+                     "row length per run); nor are train.stages")
   length = d.media_length or config.vision.pack_buckets[-1]
   stream = fp = None
   if d.text_fraction > 0:
@@ -185,17 +186,21 @@ def _check_data_parallel(run: RunConfig) -> None:
 def train(run: RunConfig, workdir: str, *, recipe: Recipe = PRETRAINING,
           until: int | None = None, mesh=None, progress: bool | None = None) -> list[dict]:
   """Train (or resume) the run in `workdir`; returns the metric records written this call.
-  `mesh`: a `jax.sharding.Mesh` to shard the step over (None: one device)."""
+  `mesh`: a `jax.sharding.Mesh` to shard the step over (None: one device); a stage of
+  `train.stages` that sets mesh axes runs on its own mesh (k3jax/train/stages.py)."""
   config = run.model
   t = run.train
-  _check_data_parallel(run)
+  plan = t.stage_plan()
+  for st in plan:
+    _check_data_parallel(stages_lib.stage_run(run, st))
   it, evals, evals_shuffled = make_data(run, config)
   os.makedirs(workdir, exist_ok=True)
   ckpt = Checkpointer(workdir, max_to_keep=t.max_to_keep or None, async_save=t.async_checkpoint)
   ckpt.check_config(config)                      # a checkpoint of another model: fail now
   _check_signature(ckpt, run)
 
-  tx, _, step_fn, eval_fn = _cached_step(recipe, run, mesh)
+  start_stage = t.stage_at(ckpt.latest_step() or 0)[1]
+  tx = _stage_step(recipe, run, start_stage, mesh)[1].tx
   rng = jax.random.PRNGKey(run.seed)
   fresh = ckpt.latest_step() is None
   state = init_state(recipe.initial(run, config, rng, fresh), recipe.trainable, tx)
@@ -225,8 +230,20 @@ def train(run: RunConfig, workdir: str, *, recipe: Recipe = PRETRAINING,
   bar = tqdm(total=end, initial=start, desc="train", dynamic_ncols=True) if (
       show and end > start) else None
   tokens_since, t_since, first = 0, time.perf_counter(), True
+  current, step_fn, eval_fn, srun, on_mesh = None, None, None, run, False
   try:
     for step in range(start, end):
+      index, stage = t.stage_at(step)
+      if index != current:   # a new stage: its step, mesh and shapes (module doc)
+        smesh, built = _stage_step(recipe, run, stage, mesh)
+        srun, step_fn, eval_fn = stages_lib.stage_run(run, stage), built.train, built.eval
+        if smesh is None and on_mesh:
+          state = stages_lib.on_one_device(state)
+        on_mesh, current, first = smesh is not None, index, True
+        if len(plan) > 1:
+          log.info("stage %d from step %d: %d x %d tokens, mesh %s", index, step,
+                   srun.train.batch_size, stage.seq_len,
+                   None if smesh is None else dict(smesh.shape))
       batch = next(it)
       state, m = step_fn(state, batch)
       tokens_since += batch["inputs"].size
@@ -235,8 +252,11 @@ def train(run: RunConfig, workdir: str, *, recipe: Recipe = PRETRAINING,
         jax.block_until_ready(m["loss"])
         tokens_since, t_since, first = 0, time.perf_counter(), False
       if done % t.log_every == 0 or done == end:
-        scalars = _step_scalars(run, recipe, config, params, m, it.seq_len_at(step), done,
+        scalars = _step_scalars(srun, recipe, config, params, m, stage.seq_len, done,
                                 tokens_since, time.perf_counter() - t_since, peak, muon_fps)
+        scalars["tokens"] = stages_lib.tokens_through(run, done)
+        if len(plan) > 1:
+          scalars["stage"] = index
         if evals and eval_fn is not None and (done % t.eval_every == 0 or done == end):
           scalars.update(evaluate(eval_fn, state.variables, evals))
           if evals_shuffled:   # the same captions, each with another caption's images
@@ -263,6 +283,12 @@ def train(run: RunConfig, workdir: str, *, recipe: Recipe = PRETRAINING,
   if recipe.finish is not None and end == t.steps:
     recipe.finish(run, config, state, workdir)
   return records
+
+
+def _stage_step(recipe: Recipe, run: RunConfig, stage, mesh):
+  """(the stage's mesh, its `Step`): built once per process for the same stage settings."""
+  smesh = stages_lib.stage_mesh(run, stage, mesh)
+  return smesh, _cached_step(recipe, stages_lib.stage_run(run, stage), smesh)
 
 
 def _step_scalars(run, recipe, config, params, m, seq, done, tokens, seconds, peak,
