@@ -1,11 +1,7 @@
 """Test-wide settings: 8 simulated CPU devices (set before jax is imported) and a fast,
 deterministic hypothesis profile."""
 
-import atexit
-import importlib.util
 import os
-import shutil
-import tempfile
 import time
 
 from cli_env import xla_flags   # no jax import: XLA_FLAGS is set before jax loads
@@ -13,18 +9,10 @@ from cli_env import xla_flags   # no jax import: XLA_FLAGS is set before jax loa
 os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# Many tests build fresh jitted closures of one computation (a tiny model's forward, in several
-# files and in commands run in another interpreter): one compilation cache for the test run
-# compiles each once. The process that loads this file first (xdist's controller) makes the
-# directory; its workers and their subprocesses inherit the variable. A size cap turns on
-# jax's lock on the directory (needs filelock), so no process reads another's half-written
-# entry; without filelock there is no shared cache.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and importlib.util.find_spec("filelock"):
-  _cache = tempfile.mkdtemp(prefix="k3jax-test-jax-cache-")
-  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,
-                    JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30),
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+# No persistent compilation cache: writing some executables to it (`executable.serialize()`,
+# jax 0.10.2 on CPU) crashed a worker intermittently in the multimodal trainer's step; tests
+# share compiled functions within a process instead.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
