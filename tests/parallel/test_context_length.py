@@ -22,11 +22,11 @@ from k3jax.data import corpus as data_lib
 from k3jax.data import tokenizers
 from k3jax.model import K3Model
 from k3jax.serve import generate
-from k3jax.train.step import cross_entropy
+
+from parallel.mtp_loss import loss_and_grads
 
 T = 8192
 CONTEXT = 8
-MTP_WEIGHT = 0.3
 
 
 def _config():
@@ -47,18 +47,7 @@ def _batch():
 
 def _grads(config, variables, batch):
   """(loss, logits, MTP logits, gradients of the params)."""
-  def loss_fn(params):
-    logits, mtp_logits = K3Model(config).apply(
-        {"params": params, "balance": variables["balance"]}, batch["inputs"],
-        segment_ids=batch["segment_ids"], return_mtp=True)
-    s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-    s2, n2 = cross_entropy(mtp_logits, batch["mtp_targets"][:, :T - 1],
-                           batch["mtp_mask"][:, :T - 1])
-    return s / n + MTP_WEIGHT * s2 / n2, (logits, mtp_logits)
-
-  (loss, (logits, mtp_logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      variables["params"])
-  return loss, logits, mtp_logits, grads
+  return loss_and_grads(config, variables, batch, T)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,11 +22,11 @@ from k3jax.config import preset
 from k3jax.model import K3Model
 from k3jax.data import corpus as data_lib
 from k3jax.data import tokenizers
-from k3jax.train.step import cross_entropy
+
+from parallel.mtp_loss import loss_and_grads
 
 B, T = 8, 16
 LR = 0.5
-MTP_WEIGHT = 0.3
 # Two meshes cover every axis (each compile of the sharded step costs about a minute on 2 CPU
 # cores); expert=8 alone is pinned at the layer level in tests/parallel/test_expert.py.
 MESHES = [dict(data=1, fsdp=2, context=4), dict(data=2, context=2, expert=2)]
@@ -46,17 +46,7 @@ def _batch():
 
 def _step(config, variables, batch):
   """(params after one SGD step, loss, logits, MTP logits [B, T−1, vocab])."""
-  def loss_fn(params):
-    logits, mtp_logits = K3Model(config).apply(
-        {"params": params, "balance": variables["balance"]}, batch["inputs"],
-        segment_ids=batch["segment_ids"], return_mtp=True)
-    s, n = cross_entropy(logits, batch["targets"], batch["loss_mask"])
-    s2, n2 = cross_entropy(mtp_logits, batch["mtp_targets"][:, :T - 1],
-                           batch["mtp_mask"][:, :T - 1])
-    return s / n + MTP_WEIGHT * s2 / n2, (logits, mtp_logits)
-
-  (loss, (logits, mtp_logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      variables["params"])
+  loss, logits, mtp_logits, grads = loss_and_grads(config, variables, batch, T)
   params = jax.tree.map(lambda p, g: p - LR * g, variables["params"], grads)
   return params, loss, logits, mtp_logits
 
