@@ -29,6 +29,18 @@ A step (`step`):
 Sampled tokens pass the request's stop rules (stop tokens, stop strings, `max_tokens`); a
 finished or cancelled request frees its slot and its pages' references at once.
 
+Pause and resume (partial rollouts that keep their caches, k3jax/posttrain/rl/partial.py).
+`pause(id)` takes a running request out of its slot between steps: the slot is freed, the
+request's MLA pages stay allocated and referenced by it (the paused record), and its slot's KDA
+caches (recurrent states and conv tails: fixed size) are copied out to a device array of one
+row. `resume(id)` queues it; at the next admission it takes any free slot before the waiting
+requests, its KDA row is copied back and its pages re-attached to that slot's block-table row,
+and it continues the same token list (decode, or the rest of its prompt's pieces if it was
+paused mid-prefill) with no prefill of what it already holds. A request paused before it was
+admitted holds nothing and resumes at the head of the queue. Paused requests survive
+`set_variables` (their caches, computed by the old weights, stay: a stale cache, as K3's
+partial rollouts keep); `cancel` of a paused request releases its pages.
+
 Compiled shapes are fixed: decode compiles once ([tile_rows, 1]), prefill once per bucket
 ([prefill_rows, b] for b in `prefill_buckets`), whatever the traffic. With that, and
 row-independent programs (k3jax/serve/kv.py), a request's tokens and log-probs do not depend on
@@ -38,6 +50,7 @@ hit compute what a miss does; docs/notes/serve.md).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -221,6 +234,18 @@ class _Slot:
   next_token: int = 0                      # the token the next decode feeds
 
 
+@dataclasses.dataclass(eq=False)
+class _Paused:
+  """A paused request (module doc): its slot's state kept outside the decode batch. kda None:
+  paused before admission (nothing held)."""
+  req: Request
+  length: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)
+  pieces: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+  next_token: int = 0
+  kda: object = None                       # the slot's KDA caches, one row (device arrays)
+
+
 class Engine:
   """The continuous-batching engine (module doc).
 
@@ -248,6 +273,8 @@ class Engine:
     self.waiting: list[Request] = []
     self.requests: dict[str, Request] = {}
     self._prefilling: list[_Slot] = []
+    self.paused: dict[str, _Paused] = {}    # paused requests (module doc), by id
+    self._resuming: list[_Paused] = []      # resumed, waiting for a free slot
     self._inbox: list[tuple[str, object]] = []
     self._lock = threading.Lock()           # the inbox and the request table
     self._step_lock = threading.Lock()      # a step vs. `stats` from another thread
@@ -257,7 +284,7 @@ class Engine:
                        ec.boundary_token)).encode()
     self.counters = dict(submitted=0, finished=0, prompt_tokens=0, cached_tokens=0,
                          generated_tokens=0, steps=0, decode_calls=0, prefill_calls=0,
-                         drafted=0, accepted=0)
+                         drafted=0, accepted=0, prefill_tokens=0, pauses=0, resumes=0)
     self.finish_counts: dict[str, int] = {}
 
   # ------------------------------------------------------------------ the public interface
@@ -339,9 +366,80 @@ class Engine:
       self._inbox.append(("cancel", request_id))
     self.wake.set()
 
+  def pause(self, request_id: str) -> None:
+    """Pause a running (or waiting) request between steps (module doc): its slot is freed, its
+    pages and KDA caches kept for `resume`. ValueError for an unknown, finished or already
+    paused request, and with speculative decoding (draft_len > 0)."""
+    with self._step_lock:
+      self._take_inbox()
+      if self.ec.draft_len:
+        raise ValueError("pause: not supported with speculative decoding (draft_len > 0)")
+      req = self._known(request_id, "pause")
+      if request_id in self.paused:
+        raise ValueError(f"pause: request {request_id!r} is already paused")
+      for rec in self._resuming:
+        if rec.req is req:            # resumed but not yet back in a slot: paused again
+          self._resuming.remove(rec)
+          self.paused[request_id] = rec
+          self.counters["pauses"] += 1
+          return
+      if req in self.waiting:
+        self.waiting.remove(req)
+        self.paused[request_id] = _Paused(req)
+        self.counters["pauses"] += 1
+        return
+      slot = next(s for s in self.slots if s.req is req)
+      rec = _Paused(req, slot.length, slot.pages, slot.pieces, slot.next_token,
+                    self.device.take_row(slot.tile, slot.row))
+      slot.req, slot.pages, slot.pieces, slot.length = None, [], [], 0
+      self.tables[slot.tile][slot.row] = NULL_PAGE
+      if slot in self._prefilling:
+        self._prefilling.remove(slot)
+      self.paused[request_id] = rec
+      self.counters["pauses"] += 1
+
+  def resume(self, request_id: str) -> None:
+    """Queue a paused request to continue (module doc): at the next step it takes a free slot
+    before any waiting request. ValueError for an unknown, finished or not paused request."""
+    with self._step_lock:
+      self._take_inbox()
+      req = self._known(request_id, "resume")
+      rec = self.paused.pop(request_id, None)
+      if rec is None:
+        raise ValueError(f"resume: request {request_id!r} is not paused")
+      if rec.kda is None:
+        self.waiting.insert(0, req)
+      else:
+        self._resuming.append(rec)
+      self.counters["resumes"] += 1
+    self.wake.set()
+
+  def _known(self, request_id: str, what: str) -> Request:
+    req = self.requests.get(request_id)
+    if req is None:
+      raise ValueError(f"{what}: unknown request id {request_id!r}")
+    if req.done:
+      raise ValueError(f"{what}: request {request_id!r} has finished ({req.finish_reason})")
+    return req
+
+  def check(self) -> None:
+    """The page bookkeeping (AssertionError if wrong): every page's reference count is the
+    number of running slots, paused requests and cache entries that list it; the others are
+    free."""
+    refs = collections.Counter(p for s in self.slots if s.req for p in s.pages)
+    refs.update(p for rec in [*self.paused.values(), *self._resuming] for p in rec.pages)
+    refs.update(p for e in self.cache.entries.values() for p in e.pages)
+    for p in range(1, self.allocator.num_pages):
+      if self.allocator.refcount(p) != refs.get(p, 0):
+        raise AssertionError(f"page {p}: {self.allocator.refcount(p)} references counted, "
+                             f"{refs.get(p, 0)} held")
+    if self.allocator.num_free != sum(1 for p in range(1, self.allocator.num_pages)
+                                      if not refs.get(p)):
+      raise AssertionError(f"pages: {self.allocator.num_free} on the free list")
+
   @property
   def has_work(self) -> bool:
-    return bool(self._inbox or self.waiting or any(s.req for s in self.slots))
+    return bool(self._inbox or self.waiting or self._resuming or any(s.req for s in self.slots))
 
   def step(self) -> bool:
     """One scheduling step (module doc); whether anything was waiting or running."""
@@ -350,7 +448,7 @@ class Engine:
 
   def _step(self) -> bool:
     self._take_inbox()
-    if not (self.waiting or any(s.req for s in self.slots)):
+    if not (self.waiting or self._resuming or any(s.req for s in self.slots)):
       return False
     self.counters["steps"] += 1
     self._admit()
@@ -378,9 +476,11 @@ class Engine:
 
   def _stats(self) -> dict:
     running = [s for s in self.slots if s.req]
-    request_pages = {p for s in running for p in s.pages}
+    paused = [*self.paused.values(), *self._resuming]
+    request_pages = {p for s in running for p in s.pages} | {p for r in paused for p in r.pages}
     return dict(
-        waiting=len(self.waiting), running=len(running),
+        waiting=len(self.waiting), running=len(running), paused=len(paused),
+        pages_paused=len({p for r in paused for p in r.pages}),
         prefilling=sum(1 for s in running if s.pieces),
         pages_total=self.allocator.num_pages - 1, pages_used=self.allocator.num_used,
         pages_in_use=len(request_pages), pages_free=self.allocator.num_free,
@@ -403,15 +503,21 @@ class Engine:
     for req in list(self.waiting):
       self.waiting.remove(req)
       self._finish_request(req, "error", message)
+    for rec in list(self._resuming):
+      self._drop_paused(rec, "error", message)
 
   def set_variables(self, variables) -> None:
     """Serve new weights (an RL policy after its update): only between requests (ValueError
-    while any runs or waits); the prefix cache is dropped (its states were the old weights')."""
+    while any runs or waits); the prefix cache is dropped (its states were the old weights').
+    Paused requests keep their caches (computed by the old weights: stale, module doc) and
+    store no prefix-cache entries from then on."""
     with self._step_lock:
       self._take_inbox()
-      if self.waiting or any(s.req for s in self.slots):
+      if self.waiting or self._resuming or any(s.req for s in self.slots):
         raise ValueError("set_variables: requests are running or waiting")
       self.cache.clear()
+      for rec in self.paused.values():
+        rec.req.keyed = []
       self.device.set_variables(variables)
 
   def clear_cache(self) -> None:
@@ -434,6 +540,10 @@ class Engine:
     req = self.requests.get(rid)
     if req is None or req.done:
       return
+    rec = self.paused.pop(rid, None) or next((r for r in self._resuming if r.req is req), None)
+    if rec is not None:
+      self._drop_paused(rec, "cancelled")
+      return
     if req in self.waiting:
       self.waiting.remove(req)
       self._finish_request(req, "cancelled")
@@ -442,8 +552,29 @@ class Engine:
       if s.req is req:
         self._release(s, "cancelled")
 
+  def _drop_paused(self, rec: _Paused, reason: str, error: str | None = None) -> None:
+    """Finish a paused (or resuming) request: its pages' references go."""
+    if rec in self._resuming:
+      self._resuming.remove(rec)
+    rec.req.features = None
+    self.allocator.decref(rec.pages)
+    rec.pages, rec.kda = [], None
+    self._finish_request(rec.req, reason, error)
+
   def _admit(self) -> None:
     ec = self.ec
+    while self._resuming:                        # resumed requests first: no prefill, no pages
+      free = [s for s in self.slots if s.req is None]
+      if not free:
+        return
+      slot, rec = free[0], self._resuming.pop(0)
+      self.device.put_row(rec.kda, slot.tile, slot.row)
+      slot.req, slot.length, slot.pages = rec.req, rec.length, rec.pages
+      slot.pieces, slot.next_token = rec.pieces, rec.next_token
+      self.tables[slot.tile][slot.row] = NULL_PAGE
+      self.tables[slot.tile][slot.row, :len(slot.pages)] = slot.pages
+      if slot.pieces:
+        self._prefilling.append(slot)
     while self.waiting:
       free = [s for s in self.slots if s.req is None]
       if not free:
@@ -579,6 +710,7 @@ class Engine:
           used += size(s)
       out, hidden = self.device.prefill([self._piece(s) for s in group])
       self.counters["prefill_calls"] += 1
+      self.counters["prefill_tokens"] += used
       budget -= used
       did_work = True
       for i, slot in enumerate(group):
@@ -618,6 +750,7 @@ class Engine:
         d.save(0, 0, 0)
         d.load(0, 0, 0)
       d.zero(0, 0)
+      d.put_row(d.take_row(0, 0), 0, 0)
       d.copy_page(0, 0)
 
   def _emit(self, slot: _Slot, out: Sampled, i: int) -> bool:

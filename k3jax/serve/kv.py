@@ -265,6 +265,14 @@ class DeviceState:
     """Slot (tile, row)'s KDA caches ← checkpoint slot `slot`."""
     self.kda[tile] = self._p["copy_row"](self.kda[tile], _i32(row), self.store, _i32(slot))
 
+  def take_row(self, tile: int, row: int):
+    """A copy of slot (tile, row)'s KDA caches, one row (device arrays; a paused request's)."""
+    return self._p["take"](self.kda[tile], _i32(row))
+
+  def put_row(self, rows, tile: int, row: int) -> None:
+    """Slot (tile, row)'s KDA caches ← `rows` (from `take_row`)."""
+    self.kda[tile] = self._p["put"](self.kda[tile], _i32(row), rows)
+
   def to_host(self, slot: int):
     """Checkpoint slot `slot` as numpy arrays (host offload)."""
     return jax.tree_util.tree_map(np.asarray, self._p["take"](self.store, _i32(slot)))

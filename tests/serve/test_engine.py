@@ -181,3 +181,108 @@ def test_packed_mxfp4_experts():
     rows = logp[len(p) - 1:len(p) - 1 + len(r.tokens)]
     assert r.tokens == rows.argmax(-1).tolist()
     np.testing.assert_allclose(r.logprobs, rows[np.arange(len(r.tokens)), r.tokens], atol=1e-4)
+
+
+def test_pause_resume_keeps_the_cache():
+  """Requests paused mid-decode and mid-prefill, their slots reused by another request, then
+  resumed into other slots: the same tokens and log-probs as an uninterrupted run (sampled, so
+  the draw counters carry over too), no prefill of what they held, pages all free at the end."""
+  rng = np.random.default_rng(8)
+  prompts = [prompt(rng, n) for n in (6, 30, 70)]
+  params = [RequestParams(max_tokens=10, temperature=0.9, seed=s) for s in (1, 2, 3)]
+  ref = engine(prefix_cache=False).generate(prompts, params)
+  eng = engine(prefix_cache=False)
+  ids = [eng.submit(p, q) for p, q in zip(prompts, params)]
+  eng.step()                       # 40-token budget: the 70-token prompt is still prefilling
+  eng.step()
+  assert eng.requests[ids[0]].tokens and not eng.requests[ids[2]].tokens
+  before = eng.counters["prefill_tokens"]
+  slots = {s.req.id: s.index for s in eng.slots if s.req}
+  for i in ids:
+    eng.pause(i)
+  eng.check()
+  held = eng.paused[ids[2]].length           # the long prompt's tokens prefilled before
+  assert 0 < held < 70 and eng.paused[ids[2]].pieces
+  st = eng.stats()
+  assert st["running"] == 0 and st["paused"] == 3 and st["pages_paused"] == st["pages_used"]
+  assert not eng.step()            # only paused requests: nothing to do
+  other = eng.submit(prompt(rng, 8), RequestParams(max_tokens=3))
+  eng.step()                       # takes slot 0
+  assert eng.slots[0].req.id == other
+  for i in reversed(ids):          # resumed in another order: other slots
+    eng.resume(i)
+  eng.step()
+  assert {s.req.id: s.index for s in eng.slots if s.req and s.req.id in ids} != slots
+  while eng.step():
+    eng.check()
+  for i, r in zip(ids, ref):
+    assert eng.requests[i].tokens == r.tokens and eng.requests[i].logprobs == r.logprobs
+  # Prefill after the pause: the other request's 8 tokens and the rest of the 70-token prompt;
+  # none of the tokens the paused requests held.
+  assert eng.counters["prefill_tokens"] - before == 8 + (70 - held)
+  assert eng.counters["pauses"] == 3 and eng.counters["resumes"] == 3
+  eng.check()
+  _baseline(eng)
+
+
+def test_pause_errors_cancel_and_new_weights():
+  """Bad ids are clear errors; cancel of a paused request frees its pages; new weights
+  (`set_variables`) leave a paused request's cache as it was: its next log-probs are those of
+  the old weights' cache decoded by the new weights, not those of a recomputed prefix."""
+  cfg, v = model()
+  rng = np.random.default_rng(9)
+  p = prompt(rng, 12)
+  eng = engine(prefix_cache=False)
+  with pytest.raises(ValueError, match="unknown request id 'nope'"):
+    eng.pause("nope")
+  with pytest.raises(ValueError, match="unknown request id"):
+    eng.resume("nope")
+  a = eng.submit(p, RequestParams(max_tokens=8))
+  b = eng.submit(prompt(rng, 20), RequestParams(max_tokens=8))
+  with pytest.raises(ValueError, match=f"resume: request '{a}' is not paused"):
+    eng.resume(a)
+  for _ in range(4):
+    eng.step()
+  eng.pause(a)
+  eng.pause(b)
+  with pytest.raises(ValueError, match="already paused"):
+    eng.pause(a)
+  with pytest.raises(ValueError, match="speculative"):
+    engine(draft_len=2).pause(a)
+  eng.cancel(b)
+  eng.step()
+  assert eng.requests[b].finish_reason == "cancelled" and eng.stats()["paused"] == 1
+  eng.check()
+  head = list(eng.requests[a].tokens)
+  n = len(head)
+  assert 1 <= n < 8
+  noise = np.random.default_rng(0)
+  new = jax.tree_util.tree_map(
+      lambda x: (x + 0.05 * noise.standard_normal(x.shape) * (np.abs(x).mean() + 1e-3)).astype(
+          x.dtype) if np.issubdtype(x.dtype, np.floating) else x, v)
+  eng.set_variables(new)           # allowed: nothing runs; the paused request keeps its cache
+  eng.resume(a)
+  while eng.step():
+    pass
+  ra = eng.requests[a]
+  assert ra.finish_reason == "length" and ra.tokens[:n] == head
+  with pytest.raises(ValueError, match="has finished"):
+    eng.pause(a)
+  # Reference: prefill prompt + head[:-1] with the old weights, then decode with the new ones.
+  toks = np.array([p + head[:-1]], np.int32)
+  _, cache = G.prefill(cfg, v, toks, [toks.shape[1]], max_len=40)
+  want, feed = [], head[-1]
+  for t in ra.tokens[n:n + 3]:
+    logits, cache = G.decode_step(cfg, new, cache, [feed])
+    want.append(float(jax.nn.log_softmax(logits[0])[t]))
+    feed = t
+  np.testing.assert_allclose(ra.logprobs[n:n + 3], want, atol=1e-4)
+  # A recomputed prefix (the new weights throughout) gives other log-probs.
+  fwd = jax.jit(K3Model(cfg.for_inference()).apply)
+  seq = np.zeros((1, 80), np.int32)
+  seq[0, :len(p) + len(ra.tokens)] = p + ra.tokens
+  logp = np.asarray(jax.nn.log_softmax(fwd(new, seq)[0], -1))
+  recomputed = logp[len(p) - 1 + n, ra.tokens[n]]
+  assert abs(recomputed - ra.logprobs[n]) > 1e-3
+  eng.check()
+  _baseline(eng)
