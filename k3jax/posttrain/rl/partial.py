@@ -1,7 +1,20 @@
 """Partial rollouts (docs/k3.md §13): N prompts × K completions stay active; a round of generation
 pauses once ⌈λ·(active trajectories)⌉ of them have finished; the unfinished ones are queued
-and resumed first in the next round, their prefix (prompt + response so far) recomputed by
-prefill under the then-current policy, after which they continue the same token list.
+and resumed first in the next round, after which they continue the same token list. Two ways
+to resume:
+
+  recompute (retain_cache=False, the reference): each round is one `rollout.sample` call; a
+    resumed trajectory's prefix (prompt + response so far) is recomputed by prefill under the
+    then-current policy.
+  retained caches (retain_cache=True): the rounds run through the serving engine
+    (k3jax/serve/engine.py), one request per trajectory for its whole life. At a round's end
+    the unfinished requests are paused (`Engine.pause`: slot freed, MLA pages and the KDA row
+    kept); the next round resumes them (`Engine.resume`) with no prefill. New weights between
+    rounds (`Engine.set_variables`) leave the paused caches as they are: a resumed trajectory
+    continues from a cache the older policies computed, as the report's partial rollouts do;
+    the per-token importance weights below correct for it. A finished request's pages are
+    released at once; `close` cancels the paused ones. Needs temperature 0 or 1: the engine
+    reports log-probs of the model's own (untempered) distribution.
 
 Bookkeeping. Every trajectory is created once (K per admitted prompt, as a group) and is at any
 time in exactly one place: the resume queue (unfinished), its group's pending list (finished,
@@ -13,6 +26,10 @@ Stale tokens. A resumed trajectory's earlier tokens were sampled by older polici
 keeps its behaviour log-prob log μ_t (under the policy that sampled it) and that policy's
 version; the update weighs token t by ρ_t = exp(log π_θ(y_t) − log μ_t) inside the clipped
 surrogate (k3jax/posttrain/rl/losses.py), so stale tokens are corrected token by token.
+`cache_versions` records, per token, the oldest policy version whose computation is in the cache
+it was sampled from (recompute: the sampling version; retained caches: the version of the
+trajectory's first round) — a token is sampled by the current policy alone only when both
+versions are the current one.
 """
 
 from __future__ import annotations
@@ -20,14 +37,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.posttrain.rl import rollout as rollout_lib
 from k3jax.data.rl_tasks import Task, TaskSampler
+from k3jax.serve.engine import Engine, EngineConfig, RequestParams
 
 
 @dataclasses.dataclass
@@ -40,9 +60,12 @@ class Trajectory:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  cache_versions: list[int] = dataclasses.field(default_factory=list)
   finished: bool = False
   stopped: bool = False
   rounds: int = 0                 # rounds it was generated in (> 1: resumed)
+  request_id: str | None = None   # its engine request (retained caches)
+  first_version: int | None = None
 
   @property
   def prefix(self) -> list[int]:
@@ -57,21 +80,32 @@ class RoundStats:
   new_tokens: int
   steps: int           # decode steps
   seconds: float
+  prefill_tokens: int = 0   # tokens run through prefill (the recompute path: every prefix)
 
 
 class PartialRollout:
   """The trajectory pool of partial rollouts (module doc).
 
   n_prompts (N), k (K), lam (λ in (0, 1]; 1 = wait for all). `limit_fn(task, rng) → int`
-  sets each trajectory's length cap (default max_new_tokens)."""
+  sets each trajectory's length cap (default max_new_tokens). retain_cache: resume through the
+  serving engine's pause / resume instead of recomputing prefixes (module doc); `engine`
+  holds it once the first round has run."""
 
   def __init__(self, sampler: TaskSampler, *, n_prompts: int, k: int, lam: float,
                max_new_tokens: int, width: int, stop_tokens: Sequence[int] = (),
-               temperature: float = 1.0, limit_fn: Callable | None = None, seed: int = 0):
+               temperature: float = 1.0, limit_fn: Callable | None = None, seed: int = 0,
+               retain_cache: bool = False):
     if n_prompts < 1 or k < 1:
       raise ValueError(f"n_prompts/k: expected >= 1, found {n_prompts}/{k}")
     if not 0 < lam <= 1:
       raise ValueError(f"lam: expected a value in (0, 1], found {lam}")
+    if retain_cache and temperature not in (0.0, 1.0):
+      raise ValueError(f"temperature: retained caches sample through the serving engine, whose "
+                       f"log-probs are the untempered distribution's; expected 0 or 1, found "
+                       f"{temperature}")
+    self.retain_cache = retain_cache
+    self.engine: Engine | None = None
+    self._engine_version: int | None = None
     self.sampler, self.n, self.k, self.lam = sampler, n_prompts, k, lam
     self.max_new_tokens, self.width = max_new_tokens, width
     self.stop_tokens, self.temperature = tuple(stop_tokens), temperature
@@ -109,6 +143,8 @@ class PartialRollout:
   def round(self, config: ModelConfig, variables, version: int, key: jax.Array
             ) -> tuple[list[list[Trajectory]], RoundStats]:
     """Generate one round; returns (completed groups, each K trajectories, and stats)."""
+    if self.retain_cache:
+      return self._engine_round(config, variables, version, key)
     rows = []
     while self.queue and len(rows) < self.slots:        # resumed first
       rows.append(self.queue.popleft())
@@ -126,12 +162,18 @@ class PartialRollout:
       t.tokens += toks
       t.logprobs += lps
       t.versions += [version] * len(toks)
+      t.cache_versions += [version] * len(toks)
       t.rounds += 1
       if out.finished[i]:
         t.finished, t.stopped = True, bool(out.stopped[i])
         done += 1
       else:
         self.queue.append(t)
+    stats = RoundStats(len(rows), resumed, done, int(out.lengths.sum()), out.steps, out.seconds,
+                       prefill_tokens=sum(len(p) for p in prefixes[:len(rows)]))
+    return self._completed(rows), stats
+
+  def _completed(self, rows: list[Trajectory]) -> list[list[Trajectory]]:
     completed = []
     for gid in sorted({t.gid for t in rows}):
       group = self.pending[gid]
@@ -139,8 +181,83 @@ class PartialRollout:
         del self.pending[gid]
         self.handed_out.update(t.tid for t in group)
         completed.append(group)
-    stats = RoundStats(len(rows), resumed, done, int(out.lengths.sum()), out.steps, out.seconds)
-    return completed, stats
+    return completed
+
+  # ------------------------------------------------------------------ retained caches
+  def engine_config(self) -> EngineConfig:
+    """The rollout engine: one slot per trajectory of the pool in one decode tile, a context of
+    `width`, pieces of 64 tokens (one compiled bucket) K at a time (a group's prompts), a
+    step budget that prefills every new prompt at once, no prefix cache (a group's K prompts
+    are admitted in the same step: nothing to hit)."""
+    page = 16
+    chunk = 64
+    return EngineConfig(num_slots=self.slots, tile_rows=self.slots, max_len=self.width,
+                        page_size=page, prefill_chunk=chunk, prefill_buckets=(chunk,),
+                        step_tokens=self.slots * self.width,
+                        prefix_cache=False, num_checkpoints=0, num_top_logprobs=0,
+                        prefill_rows=self.k)
+
+  def _engine_round(self, config, variables, version, key):
+    t0 = time.perf_counter()
+    eng = self.engine
+    if eng is None:
+      eng = self.engine = Engine(config, _one_device(variables), self.engine_config())
+      self._engine_version = version
+    elif version != self._engine_version:
+      eng.set_variables(_one_device(variables))   # paused requests keep their caches
+      self._engine_version = version
+    rows = []
+    while self.queue and len(rows) < self.slots:        # resumed first
+      rows.append(self.queue.popleft())
+    resumed = len(rows)
+    for t in rows:
+      eng.resume(t.request_id)
+    new = self._admit(self.slots - len(rows))
+    seeds = np.asarray(jax.random.randint(key, (max(len(new), 1),), 0, 2 ** 31 - 1))
+    for t, seed in zip(new, seeds):
+      t.first_version = version
+      t.request_id = eng.submit(
+          list(t.task.tokens), RequestParams(max_tokens=t.limit, temperature=self.temperature,
+                                             seed=int(seed), stop_tokens=self.stop_tokens,
+                                             include_stop=True), cache_prefix=False)
+    rows += new
+    target = math.ceil(self.lam * len(rows))
+    calls, prefill = eng.counters["decode_calls"], eng.counters["prefill_tokens"]
+    reqs = [eng.requests[t.request_id] for t in rows]
+    while sum(r.done for r in reqs) < target and eng.step():
+      pass
+    done = new_tokens = 0
+    for t, req in zip(rows, reqs):
+      n = len(req.tokens) - len(t.tokens)
+      t.tokens += req.tokens[len(t.tokens):]
+      t.logprobs += req.logprobs[len(t.logprobs):]
+      t.versions += [version] * n
+      t.cache_versions += [t.first_version] * n
+      t.rounds += 1
+      new_tokens += n
+      if req.done:
+        t.finished, t.stopped = True, req.finish_reason == "stop"
+        eng.pop(t.request_id)
+        done += 1
+      else:
+        eng.pause(t.request_id)
+        self.queue.append(t)
+    stats = RoundStats(len(rows), resumed, done, new_tokens,
+                       eng.counters["decode_calls"] - calls, time.perf_counter() - t0,
+                       prefill_tokens=eng.counters["prefill_tokens"] - prefill)
+    return self._completed(rows), stats
+
+  def close(self) -> None:
+    """Cancel the paused requests of the queued trajectories (their pages return to the
+    pool); the trajectories stay queued, as with recompute. Retained caches only."""
+    if self.engine is None:
+      return
+    for t in self.queue:
+      self.engine.cancel(t.request_id)
+    self.engine.step()                 # takes the cancellations in
+    for t in self.queue:
+      self.engine.pop(t.request_id)
+      t.request_id = None
 
   def check(self) -> None:
     """Every created trajectory is in exactly one place (module doc); AssertionError if not."""
@@ -156,3 +273,19 @@ class PartialRollout:
     unfinished_pending = {t.tid for g in self.pending.values() for t in g if not t.finished}
     if unfinished_pending != set(queued):
       raise AssertionError("partial rollout: an unfinished trajectory is not queued")
+    if self.engine is not None:
+      paused = {t.request_id for t in self.queue if t.request_id is not None}
+      if set(self.engine.paused) != paused:
+        raise AssertionError(f"partial rollout: {len(self.engine.paused)} paused engine "
+                             f"requests, {len(paused)} queued trajectories hold one")
+      if any(s.req is not None for s in self.engine.slots) or self.engine.waiting:
+        raise AssertionError("partial rollout: engine requests run between rounds")
+      self.engine.check()
+
+
+def _one_device(variables):
+  """Copies of the policy's arrays on the first device: the engine's programs run there, and
+  the trainer's step may donate the originals."""
+  dev = jax.devices()[0]
+  return jax.tree.map(lambda a: jax.device_put(jnp.array(a), dev),
+                      {k: v for k, v in dict(variables).items() if k in ("params", "balance")})

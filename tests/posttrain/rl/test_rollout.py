@@ -95,3 +95,61 @@ def test_partial_rollout_bookkeeping_and_resumption():
   for i, t in enumerate(rows):
     assert t.tokens == ref.row(i)[0]
     np.testing.assert_allclose(t.logprobs, ref.row(i)[1], atol=1e-5)
+
+
+def test_partial_rollout_with_retained_caches():
+  """retain_cache=True: the rounds run through the serving engine, unfinished trajectories
+  paused and resumed with their caches. With fixed parameters, greedy, λ = 0.5 and random caps,
+  every trajectory equals an uninterrupted greedy rollout (tokens, log-probs ≤ 1e-5); a round
+  prefills only its new prompts (no resumed prefix); the bookkeeping holds every round; after
+  new weights a resumed trajectory continues from its old cache (`cache_versions`); `close`
+  returns every page."""
+  pool = PartialRollout(TaskSampler(seed=5), n_prompts=N, k=K, lam=0.5, max_new_tokens=MAX_NEW,
+                        width=WIDTH, stop_tokens=(), temperature=0.0,
+                        limit_fn=lambda task, rng: int(rng.integers(1, MAX_NEW + 1)), seed=0,
+                        retain_cache=True)
+  handed, resumed, rounds = [], 0, 0
+  while len(handed) < 4 * K and rounds < 30:
+    queued = {t.tid: len(t.tokens) for t in pool.queue}
+    new_before = pool.created
+    groups, stats = pool.round(CONFIG, _variables(), version=0, key=jax.random.PRNGKey(rounds))
+    rounds += 1
+    pool.check()
+    assert stats.resumed == len(queued)
+    resumed += stats.resumed
+    new = [t for g in pool.pending.values() for t in g if t.tid >= new_before] + [
+        t for g in groups for t in g if t.tid >= new_before]
+    assert stats.prefill_tokens == sum(len(t.task.tokens) for t in new)
+    for g in groups:
+      assert len(g) == K and all(t.finished for t in g)
+      handed += g
+  assert resumed > 0, "no trajectory was resumed: the test exercised nothing"
+  assert all(len(t.tokens) == t.limit == len(t.logprobs) == len(t.cache_versions)
+             for t in handed)
+  assert any(t.rounds > 1 for t in handed)
+  for s in range(0, len(handed), N * K):       # the batch of the other tests: one compile
+    rows = handed[s:s + N * K]
+    ref = R.sample(CONFIG, _variables(), [t.task.tokens for t in rows], [t.limit for t in rows],
+                   width=WIDTH, key=jax.random.PRNGKey(9), temperature=0.0)
+    for i, t in enumerate(rows):
+      assert t.tokens == ref.row(i)[0]
+      np.testing.assert_allclose(t.logprobs, ref.row(i)[1], atol=1e-5)
+  # New weights: the queued trajectories resume from the caches of version 0.
+  assert pool.queue
+  waiting = {t.tid: len(t.tokens) for t in pool.queue}
+  scaled = jax.tree.map(lambda a: a * 1.01, _variables())
+  groups, stats = pool.round(CONFIG, scaled, version=1, key=jax.random.PRNGKey(99))
+  pool.check()
+  later = [t for t in list(pool.queue) + [t for g in groups for t in g] if t.tid in waiting]
+  moved = [t for t in later if len(t.tokens) > waiting[t.tid]]
+  assert moved and all(t.versions[-1] == 1 and t.cache_versions[-1] == 0 for t in moved)
+  fresh = [t for t in list(pool.queue) + [t for g in groups for t in g] if t.first_version == 1]
+  assert all(set(t.cache_versions) == {1} for t in fresh)
+  eng = pool.engine
+  assert eng.stats()["paused"] == len(pool.queue) > 0 and eng.allocator.num_used > 0
+  pool.close()
+  pool.check()
+  assert eng.stats()["paused"] == 0 and eng.allocator.num_used == 0
+  with pytest.raises(ValueError, match="temperature"):
+    PartialRollout(TaskSampler(seed=5), n_prompts=N, k=K, lam=0.5, max_new_tokens=MAX_NEW,
+                   width=WIDTH, temperature=0.7, retain_cache=True)
