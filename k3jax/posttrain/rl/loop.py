@@ -12,7 +12,9 @@ Round r (policy version v = optimizer steps taken):
      multiple of N·K: few compiled shapes).
 Metrics per round (DIR/metrics.jsonl, one JSON object a line): reward (final, after budget),
 accuracy (task reward before budget), length, budget_violations, mopd (mean clipped r_t),
-mismatch (max |rollout − trainer| log-prob over the tokens sampled by the current policy),
+mismatch (max |rollout − trainer| log-prob over the tokens sampled by the current policy from a
+cache it computed — with rl.retain_cache a resumed trajectory's cache holds older policies'
+states), prefill_tokens (rollout tokens run through prefill),
 rollout_tokens_per_s, train_tokens_per_s, and bookkeeping counts.
 """
 
@@ -70,6 +72,10 @@ class RolloutConfig:
   # None: the policy's own config; "mxfp4_mxfp8": QAT of the routed experts in rollouts and
   # updates alike (`policy_config`).
   expert_qat: str | None = None
+  # True: rounds run through the serving engine, unfinished trajectories paused with their
+  # caches and resumed without prefill (k3jax/posttrain/rl/partial.py); False: resumed
+  # prefixes are recomputed (the reference). Needs temperature 1.
+  retain_cache: bool = True
 
   def __post_init__(self):
     for f in ("rounds", "n_prompts", "k", "max_new_tokens", "max_prompt_len"):
@@ -79,6 +85,10 @@ class RolloutConfig:
     _need(0 < self.lam <= 1, "rl.lam", f"expected a value in (0, 1], found {self.lam}")
     _need(self.temperature > 0, "rl.temperature",
           f"expected > 0 (sampling), found {self.temperature}")
+    _need(not self.retain_cache or self.temperature == 1.0, "rl.temperature",
+          f"rl.retain_cache samples through the serving engine, whose log-probs are the "
+          f"untempered distribution's: expected 1.0, found {self.temperature} (or set "
+          f"rl.retain_cache=False)")
     qat.check_mode(self.expert_qat, "config.rl.expert_qat")
 
 
@@ -257,7 +267,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *, teachers: Teachers | 
   sampler = TaskSampler(tuple(ro.domains), tuple(ro.efforts), seed=cfg.seed)
   pool = PartialRollout(sampler, n_prompts=ro.n_prompts, k=ro.k, lam=float(ro.lam),
                         max_new_tokens=ro.max_new_tokens, width=width, stop_tokens=[STOP_TOKEN],
-                        temperature=float(ro.temperature), limit_fn=limit_fn, seed=cfg.seed)
+                        temperature=float(ro.temperature), limit_fn=limit_fn, seed=cfg.seed,
+                        retain_cache=ro.retain_cache)
   b0 = B0(config, initial, batch=pool.slots, samples=r.budget.b0_samples,
           max_new_tokens=ro.max_new_tokens, width=width, temperature=float(ro.temperature),
           seed=cfg.seed + 1) if r.budget.enabled else None
@@ -278,7 +289,7 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *, teachers: Teachers | 
     pool.check()
     m = {"round": rnd, "version": version, "active": st.active, "resumed": st.resumed,
          "finished": st.finished, "queued": len(pool.queue), "groups": len(groups),
-         "rollout_seconds": st.seconds,
+         "rollout_seconds": st.seconds, "prefill_tokens": st.prefill_tokens,
          "rollout_tokens_per_s": st.new_tokens / max(st.seconds, 1e-9)}
     if groups:
       upd, state = _update(ro, config, groups, rnd, version, taus, b0, teachers, lcfg, width,
@@ -286,6 +297,7 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *, teachers: Teachers | 
       m.update(upd)
     history.append(m)
     record_round(m, out, log)
+  pool.close()
   if out is not None:
     write_json(out / "summary.json", {"rounds": history})
   return history, state
@@ -317,7 +329,9 @@ def _update(r: RolloutConfig, config, groups, rnd, version, taus, b0, teachers, 
   for i, t in enumerate(trajs):
     mask[i, :len(t.tokens)] = 1
     blp[i, :len(t.tokens)] = t.logprobs
-    fresh[i, :len(t.tokens)] = np.array(t.versions) == version
+    # Sampled by the current policy alone: its version, from a cache it computed.
+    fresh[i, :len(t.tokens)] = (np.array(t.versions) == version) & (
+        np.array(t.cache_versions) == version)
   keys = [(t.domain, t.effort) for t in tasks] + [("", "")] * pad
   if teachers is not None:
     tlp, has = teachers.score(keys, seqs, plens, L, float(r.temperature))
