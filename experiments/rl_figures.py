@@ -9,6 +9,10 @@ python -m experiments.rl_figures --figure=all --out=runs/rl_figures
   partial     wall time per round of partial rollouts (λ < 1) vs waiting for all (λ = 1) on
               trajectories whose lengths follow a long-tailed (Pareto) distribution, fixed
               parameters, same number of rounds.
+  partial_cache  the same partial rollouts at λ = 1, 0.75, 0.5 with resumed prefixes
+              recomputed by prefill vs kept in the serving engine's caches (pause / resume,
+              rl.retain_cache): rollout tokens/s, prefill tokens and decode steps per round;
+              the two modes' rounds alternate, so both see the same machine load.
   reward      RL rounds from the cold start without budget: mean reward per round.
   budget      the same with the effort budget (τ annealed): length and reward per round.
   mopd        a weaker student distilled from a better and from a worse teacher (MOPD only):
@@ -27,8 +31,8 @@ import time
 from absl import app, flags
 
 _FIGURE = flags.DEFINE_enum("figure", "all",
-                            ["all", "cold_start", "mismatch", "partial", "reward", "budget", "mopd",
-                             "plot"],
+                            ["all", "cold_start", "mismatch", "partial", "partial_cache", "reward",
+                             "budget", "mopd", "plot"],
                             "Which measurement.")
 _OUT = flags.DEFINE_string("out", "runs/rl_figures", "Output directory.")
 _ROUNDS = flags.DEFINE_integer("rounds", 30, "RL rounds of the reward/budget figures.")
@@ -173,6 +177,60 @@ def partial(out: pathlib.Path, config, variables):
                           "lengths": "min(64, 4 + floor(4·Pareto(1.2)))", **res})
 
 
+def partial_cache(out: pathlib.Path, config, variables, rounds: int = 30, warmup: int = 3):
+  """`partial`'s setup (8 prompts × 4, Pareto caps up to 64, no stop token, fixed parameters),
+  recompute vs retained caches, the two pools' rounds alternating."""
+  import jax
+  import numpy as np
+  from k3jax.data import rl_tasks
+  from k3jax.posttrain.rl.partial import PartialRollout
+  c = _cfg()
+  max_new = 64
+  width = c.rl.max_prompt_len + max_new
+
+  def pareto(task, rng):
+    return int(min(max_new, 4 + np.floor(rng.pareto(1.2) * 4)))
+
+  res = {}
+  for lam in (1.0, 0.75, 0.5):
+    pools = {mode: PartialRollout(rl_tasks.TaskSampler(c.rl.domains, seed=11), n_prompts=8, k=4,
+                                  lam=lam, max_new_tokens=max_new, width=width, stop_tokens=(),
+                                  temperature=1.0, limit_fn=pareto, seed=0,
+                                  retain_cache=mode == "retain")
+             for mode in ("recompute", "retain")}
+    rec = {m: dict(secs=[], steps=[], prefill=[], done=0, toks=0, resumed=0) for m in pools}
+    for r in range(warmup + rounds):
+      for mode, pool in pools.items():
+        groups, st = pool.round(config, variables, 0, jax.random.PRNGKey(r + 1))
+        pool.check()
+        if r < warmup:                       # compiles (pause / resume first run in round 2)
+          continue
+        x = rec[mode]
+        x["secs"].append(st.seconds)
+        x["steps"].append(st.steps)
+        x["prefill"].append(st.prefill_tokens)
+        x["done"] += st.finished
+        x["toks"] += st.new_tokens
+        x["resumed"] += st.resumed
+    for mode, x in rec.items():
+      secs = np.array(x["secs"])
+      res[f"lam={lam}/{mode}"] = {
+          "round_seconds_mean": float(secs.mean()), "round_seconds_p50": float(np.median(secs)),
+          "round_seconds_p90": float(np.percentile(secs, 90)), "round_seconds": x["secs"],
+          "decode_steps": x["steps"], "prefill_tokens_per_round": float(np.mean(x["prefill"])),
+          "resumed_per_round": x["resumed"] / rounds, "new_tokens": x["toks"],
+          "finished_per_s": x["done"] / secs.sum(), "tokens_per_s": x["toks"] / secs.sum()}
+      print(lam, mode, {k: v for k, v in res[f"lam={lam}/{mode}"].items()
+                        if not isinstance(v, list)}, flush=True)
+    pools["retain"].close()
+    pools["retain"].check()
+    eng = pools["retain"].engine
+    assert eng.allocator.num_used == 0, "pages left after close"
+  _write(out, "partial_cache", {"n_prompts": 8, "k": 4, "rounds": rounds, "warmup_rounds": warmup,
+                                "max_new_tokens": max_new,
+                                "lengths": "min(64, 4 + floor(4·Pareto(1.2)))", **res})
+
+
 def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
   from k3jax.posttrain.rl import loop
   c = _cfg()
@@ -276,6 +334,8 @@ def main(argv):
     mismatch(out, config, variables)
   if fig in ("all", "partial"):
     partial(out, config, variables)
+  if fig in ("all", "partial_cache"):
+    partial_cache(out, config, variables)
   if fig in ("all", "reward"):
     rl_run(out, "reward", config, variables, budget=False)
   if fig in ("all", "budget"):

@@ -2,7 +2,9 @@
 fills the KDA states and MLA caches, `decode_step` feeds one token per row).
 
 Each row continues a prefix (a prompt, or a prompt plus the response so far when a partial
-rollout resumes: the prefix is recomputed by prefill) for at most limits[b] new tokens, and
+rollout resumes with recompute: the prefix is recomputed by prefill; with retained caches
+partial rollouts go through the serving engine instead, k3jax/posttrain/rl/partial.py) for at
+most limits[b] new tokens, and
 stops at a stop token (kept as the response's last token: emitting it is an action the policy
 is trained on). For every sampled token the rollout records its fp32 log-probability under
 the sampling distribution, log_softmax(logits / temperature)[y_t] (temperature 0 = greedy,

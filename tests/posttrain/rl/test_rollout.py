@@ -1,7 +1,8 @@
 """Rollout log-probs = the trainer's recomputation (fp32, ≤ 1e-5), and partial-rollout
 bookkeeping on a 2-layer model (KDA + MLA): no trajectory lost or duplicated, resumed
-trajectories continue the same tokens (greedy partial rollouts = uninterrupted greedy); with
-rl.expert_qat both sides quantise the experts alike."""
+trajectories continue the same tokens (greedy partial rollouts = uninterrupted greedy), by
+recompute and with caches retained in the serving engine; with rl.expert_qat both sides
+quantise the experts alike."""
 
 import functools
 
