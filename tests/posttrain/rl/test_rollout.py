@@ -154,3 +154,7 @@ def test_partial_rollout_with_retained_caches():
   with pytest.raises(ValueError, match="temperature"):
     PartialRollout(TaskSampler(seed=5), n_prompts=N, k=K, lam=0.5, max_new_tokens=MAX_NEW,
                    width=WIDTH, temperature=0.7, retain_cache=True)
+  with pytest.raises(ValueError, match="config.rl.temperature: rl.retain_cache"):
+    loop.RolloutConfig(temperature=0.7)
+  assert loop.RolloutConfig().retain_cache and not loop.RolloutConfig(
+      temperature=0.7, retain_cache=False).retain_cache
