@@ -186,16 +186,15 @@ class PartialRollout:
   # ------------------------------------------------------------------ retained caches
   def engine_config(self) -> EngineConfig:
     """The rollout engine: one slot per trajectory of the pool in one decode tile, a context of
-    `width`, pieces of 64 tokens (one compiled bucket) K at a time (a group's prompts), a
-    step budget that prefills every new prompt at once, no prefix cache (a group's K prompts
-    are admitted in the same step: nothing to hit)."""
-    page = 16
-    chunk = 64
+    `width`, pieces of 128 tokens (one compiled bucket: an RL prompt is one piece) two groups'
+    prompts (2K) at a time, a step budget that prefills every new prompt at once, no prefix
+    cache (a group's K prompts are admitted in the same step: nothing to hit)."""
+    page, chunk = 16, 128
     return EngineConfig(num_slots=self.slots, tile_rows=self.slots, max_len=self.width,
                         page_size=page, prefill_chunk=chunk, prefill_buckets=(chunk,),
-                        step_tokens=self.slots * self.width,
-                        prefix_cache=False, num_checkpoints=0, num_top_logprobs=0,
-                        prefill_rows=self.k)
+                        step_tokens=self.slots * self.width, prefix_cache=False,
+                        num_checkpoints=0, num_top_logprobs=0,
+                        prefill_rows=min(self.slots, 2 * self.k))
 
   def _engine_round(self, config, variables, version, key):
     t0 = time.perf_counter()
