@@ -212,7 +212,8 @@ class PartialRollout:
     for t in rows:
       eng.resume(t.request_id)
     new = self._admit(self.slots - len(rows))
-    seeds = np.asarray(jax.random.randint(key, (max(len(new), 1),), 0, 2 ** 31 - 1))
+    # One draw shape whatever the number of new trajectories (no compile per count).
+    seeds = np.asarray(jax.random.randint(key, (self.slots,), 0, 2 ** 31 - 1))
     for t, seed in zip(new, seeds):
       t.first_version = version
       t.request_id = eng.submit(
