@@ -45,22 +45,23 @@ REGIMES = {
 
 
 def define_flags() -> None:
-  """Flags, defined only when run as a script (pytest imports several entry points)."""
-  flags.DEFINE_string("out", "runs/rl_pipeline", "Output directory.")
+  """Flags, defined only when run as a script (pytest imports several entry points).
+  experiments.rl_figures (imported for its cold start) defines --out, --domains, --layers,
+  --sft_steps, --lr and --k at import; they are shared, with this command's defaults."""
+  from experiments import rl_figures  # noqa: F401  (its flags: see above)
+  for name, value in (("out", "runs/rl_pipeline"), ("domains", "arith"), ("layers", 2),
+                      ("sft_steps", 300), ("lr", 3e-4), ("k", 8)):
+    flags.FLAGS.set_default(name, value)
   flags.DEFINE_string("results", "", "Also write the summary JSON into this directory.")
-  flags.DEFINE_string("domains", "arith", "Comma-separated task domains.")
   flags.DEFINE_string("efforts", "low,high,max", "Comma-separated effort levels.")
-  flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA).")
-  flags.DEFINE_integer("sft_steps", 300, "Cold-start supervised steps.")
   flags.DEFINE_integer("sft_batch", 32, "Cold-start batch.")
   flags.DEFINE_integer("teacher_rounds", 200, "RL rounds per teacher.")
   flags.DEFINE_integer("student_rounds", 200, "RL rounds of the student (and the baseline).")
   flags.DEFINE_integer("n_prompts", 8, "Prompts per round.")
-  flags.DEFINE_integer("k", 8, "Completions per prompt.")
   flags.DEFINE_integer("max_new_tokens", 32, "Reply tokens at most.")
-  flags.DEFINE_float("lr", 3e-4, "RL learning rate.")
   flags.DEFINE_float("mopd_coef", 1.0, "β: weight of the MOPD per-token reward.")
   flags.DEFINE_integer("eval_n", 128, "Evaluation prompts per effort level.")
+  flags.DEFINE_string("qat", "mxfp4_mxfp8", "rl.expert_qat of every RL run (empty: off).")
 
 
 def settings_from_flags() -> dict:
@@ -68,7 +69,7 @@ def settings_from_flags() -> dict:
   return {k: f[k].value for k in (
       "out", "results", "domains", "efforts", "layers", "sft_steps", "sft_batch",
       "teacher_rounds", "student_rounds", "n_prompts", "k", "max_new_tokens", "lr", "mopd_coef",
-      "eval_n")}
+      "eval_n", "qat")}
 
 
 def base_config(s: dict, rounds: int):
@@ -85,6 +86,7 @@ def base_config(s: dict, rounds: int):
   c.train.steps = rounds
   c.optim.lr = s["lr"]
   c.budget.enabled = False
+  c.rl.expert_qat = s.get("qat") or None
   return c
 
 
@@ -259,7 +261,9 @@ def run_pipeline(s: dict, log=print) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  run_pipeline(settings_from_flags())
+  t0 = time.time()
+  run_pipeline(settings_from_flags(),
+               log=lambda line: print(f"{time.time() - t0:7.1f}s {line}", flush=True))
 
 
 if __name__ == "__main__":
