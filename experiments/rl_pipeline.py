@@ -187,8 +187,17 @@ def run_pipeline(s: dict, log=print) -> dict:
     tmp = out / "cold_start.tmp"
     if tmp.exists():
       shutil.rmtree(tmp)
-    (config, start), losses, secs = train_cold_start(
-        base_config(s, 1), s["sft_steps"], tmp, batch=s["sft_batch"], log=log)
+    if s["sft_steps"] > 0:
+      (config, start), losses, secs = train_cold_start(
+          base_config(s, 1), s["sft_steps"], tmp, batch=s["sft_batch"], log=log)
+    else:      # no supervised steps: the initial model stands in (smoke tests)
+      import jax
+      from k3jax.convert.checkpoint import save_pretrained
+      from k3jax.train.run import run_config
+      from k3jax.train.state import init_variables
+      run = run_config(base_config(s, 1), extra=tuple(loop.RL_GROUPS))
+      save_pretrained(tmp, run.model, init_variables(run.model, jax.random.PRNGKey(run.seed)))
+      losses, secs = [], 0.0
     os.replace(tmp, path)
     config, start = load_pretrained(path)
     summary["cold_start"] = {"steps": s["sft_steps"], "loss": losses, "seconds": secs}

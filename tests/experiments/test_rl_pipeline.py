@@ -9,9 +9,9 @@ from experiments import rl_pipeline
 
 def test_pipeline_smoke(tmp_path):
   s = {"out": str(tmp_path / "run"), "results": str(tmp_path / "results"), "domains": "arith",
-       "efforts": "low,max", "layers": 2, "sft_steps": 2, "sft_batch": 4, "teacher_rounds": 2,
+       "efforts": "low,max", "layers": 1, "sft_steps": 0, "sft_batch": 4, "teacher_rounds": 2,
        "student_rounds": 1, "n_prompts": 1, "k": 2, "max_new_tokens": 24, "lr": 3e-4,
-       "mopd_coef": 1.0, "eval_n": 2}
+       "mopd_coef": 1.0, "eval_n": 2, "qat": ""}
   lines = []
   summary = rl_pipeline.run_pipeline(s, log=lines.append)
   out = tmp_path / "run"
