@@ -191,7 +191,7 @@ def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
   c.budget.enabled = budget
   c.budget.update(dict(tau_start=1.2, tau_end=0.6, anneal_rounds=max(1, _ROUNDS.value // 2)))
   t0 = time.perf_counter()
-  hist, _ = loop.run(c, config, variables, out_dir=out / name)
+  hist, _ = loop.run(loop.rl_config(c), config, variables, out_dir=out / name)
   _write(out, name, {"budget": dict(c.budget), "rl": dict(c.rl), "loss": dict(c.loss),
                      "lr": c.optim.lr, "muon": c.optim.muon,
                      "seconds": time.perf_counter() - t0, "rounds": hist})
@@ -238,7 +238,8 @@ def mopd(out: pathlib.Path, config, variables):
     c.loss.update(dict(mopd_coef=1.0, r_max=1.0))
     teachers = Teachers({(d, e): (config, tv) for d in c.rl.domains for e in c.rl.efforts},
                         config.text.vocab_size)
-    hist, state = loop.run(c, s_cfg, student, teachers=teachers, out_dir=out / f"mopd_{name}")
+    hist, state = loop.run(loop.rl_config(c), s_cfg, student, teachers=teachers,
+                           out_dir=out / f"mopd_{name}")
     res[f"student_with_{name}_teacher"] = {"accuracy_after": accuracy(s_cfg, state.variables),
                                            "rounds": hist}
     print(name, res[f"teacher_{name}_accuracy"], res[f"student_with_{name}_teacher"]["accuracy_after"])
