@@ -19,5 +19,12 @@ def get_config():
   c.agent.max_tokens = 832         # prompt + every turn
   c.agent.max_reply_tokens = 96
   c.agent.max_turns = 3
-  c.budget.enabled = False         # b₀ on agentic T(y) is not wired (docs/notes/rl.md)
+  # The effort budget on agentic T(y) = thinking + tool-call argument tokens, b₀ from the
+  # initial policy's trajectories on each task (k3jax/posttrain/rl/agentic.py); τ 1.5 → 1.0
+  # over 10 rounds (not below 1: the tool call's code is part of T and must stay possible).
+  c.budget.enabled = True
+  c.budget.b0_samples = 2
+  c.budget.tau_start = 1.5
+  c.budget.tau_end = 1.0
+  c.budget.anneal_rounds = 10
   return c

@@ -2,8 +2,9 @@
 
 python -m experiments.rl_figures --figure=all --out=runs/rl_figures
 
-  cold_start  a short supervised warm-up of the policy on correct responses with 0–8 filler
-              dots (k3jax/data/rl_tasks.py `sft_response`) through the pre-training step; saved as
+  cold_start  a short supervised warm-up of the policy on correct thinking-mode replies: 0–8
+              filler dots inside `think`, then the answer in the response channel
+              (k3jax/data/rl_tasks.py `sft_reply`), through the pre-training step; saved as
               OUT/cold_start (a checkpoint experiments/rl.py takes as --policy).
   mismatch    max |rollout − trainer| log-prob of sampled tokens, model in fp32 and in bf16.
   partial     wall time per round of partial rollouts (λ < 1) vs waiting for all (λ = 1) on
@@ -68,7 +69,7 @@ def _cfg():
   c.model.update(dict(num_layers=_LAYERS.value, mla_every=max(2, min(4, _LAYERS.value)),
                       attn_res_block_size=None if _LAYERS.value < 4 else 2))
   c.rl.domains = tuple(_DOMAINS.value.split(","))
-  c.rl.update(dict(rounds=_ROUNDS.value, n_prompts=8, k=_K.value, max_new_tokens=16))
+  c.rl.update(dict(rounds=_ROUNDS.value, n_prompts=8, k=_K.value, max_new_tokens=32))
   c.loss.adv_std_norm = _ADV_STD.value
   c.train.steps = _ROUNDS.value
   c.optim.lr = _LR.value
@@ -76,9 +77,12 @@ def _cfg():
   return c
 
 
-def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_start"):
-  """(config, variables) after `steps` supervised warm-up steps (trained once, then
-  reloaded from OUT/<name>)."""
+def train_cold_start(c, steps: int, path: pathlib.Path, *, batch: int = 32,
+                     max_filler: int = 8, log=print):
+  """Supervised warm-up of `c`'s model (an RL config dict: its model, rl.domains / efforts /
+  widths) on `sft_reply` rows — the prompt with its effort option, a reply that thinks 0..
+  max_filler dots and answers — for `steps` steps (lr 3e-3, Per-Head Muon); loss on the reply's
+  tokens only. Saves the checkpoint at `path`; returns ((config, variables), losses, seconds)."""
   import jax
   import numpy as np
   from k3jax.data import rl_tasks
@@ -88,11 +92,7 @@ def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_st
   from k3jax.train.sharded import PRETRAIN, build_step
   from k3jax.train.state import init_state, init_variables
 
-  steps = steps or _SFT_STEPS.value
-  path = out / name
-  if path.exists():
-    return load_pretrained(path)
-  c = _cfg()
+  c = c.copy_and_resolve_references() if hasattr(c, "copy_and_resolve_references") else c
   c.train.steps = steps
   c.optim.update(dict(lr=3e-3, warmup_frac=0.05, final_lr_frac=0.1, muon=True))
   run = run_config(c, extra=tuple(RL_GROUPS))     # supervised steps: the RL groups unused
@@ -101,26 +101,38 @@ def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_st
   state = init_state(init_variables(config, jax.random.PRNGKey(run.seed)), PRETRAIN, step.tx)
   sampler = rl_tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=1234)
   rng = np.random.default_rng(0)
-  batch, width = 32, c.rl.max_prompt_len + c.rl.max_new_tokens
+  width = c.rl.max_prompt_len + c.rl.max_new_tokens
   losses, t0 = [], time.perf_counter()
   for s in range(steps):
     rows = np.zeros((batch, width + 1), np.int32)
     mask = np.zeros((batch, width), np.float32)
     for i, t in enumerate(sampler.sample(batch)):
-      resp = list(rl_tasks.encode(rl_tasks.sft_response(t, rng))) + [rl_tasks.STOP_TOKEN]
-      seq = list(t.tokens) + resp
+      seq = list(t.tokens) + list(rl_tasks.sft_reply(t, rng, max_filler))
       rows[i, :len(seq)] = seq
-      mask[i, len(t.tokens) - 1:len(seq) - 1] = 1     # predict the response tokens only
+      mask[i, len(t.tokens) - 1:len(seq) - 1] = 1     # predict the reply's tokens only
     b = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": mask,
          "segment_ids": np.zeros((batch, width), np.int32)}
     state, m = step.train(state, b)
     if s % 50 == 0 or s == steps - 1:
       losses.append((s, float(m["loss"])))
-      print(f"cold start step {s}: loss {float(m['loss']):.3f}")
+      if log is not None:
+        log(f"cold start step {s}: loss {float(m['loss']):.3f}")
   save_pretrained(path, config, state.variables)
-  _write(out, name, {"steps": steps, "batch": batch, "loss": losses,
-                             "seconds": time.perf_counter() - t0})
-  return load_pretrained(path)
+  return load_pretrained(path), losses, time.perf_counter() - t0
+
+
+def cold_start(out: pathlib.Path, steps: int | None = None, name: str = "cold_start"):
+  """(config, variables) after `steps` supervised warm-up steps (trained once, then
+  reloaded from OUT/<name>)."""
+  from k3jax.convert.checkpoint import load_pretrained
+  steps = steps or _SFT_STEPS.value
+  path = out / name
+  if path.exists():
+    return load_pretrained(path)
+  (config, variables), losses, seconds = train_cold_start(_cfg(), steps, path)
+  _write(out, name, {"steps": steps, "batch": 32, "loss": losses, "seconds": seconds,
+                     "format": "thinking mode: 0-8 dots in think, then the answer"})
+  return config, variables
 
 
 def mismatch(out: pathlib.Path, config, variables):
@@ -246,25 +258,32 @@ def rl_run(out: pathlib.Path, name: str, config, variables, budget: bool):
   c.budget.enabled = budget
   c.budget.update(dict(tau_start=1.2, tau_end=0.6, anneal_rounds=max(1, _ROUNDS.value // 2)))
   t0 = time.perf_counter()
-  hist, _ = loop.run(c, config, variables, out_dir=out / name)
+  hist, _ = loop.run(loop.rl_config(c), config, variables, out_dir=out / name)
   _write(out, name, {"budget": dict(c.budget), "rl": dict(c.rl), "loss": dict(c.loss),
                      "lr": c.optim.lr, "muon": c.optim.muon,
                      "seconds": time.perf_counter() - t0, "rounds": hist})
 
 
-def accuracy(config, variables, n: int = 64, seed: int = 99) -> float:
-  """Mean exact-answer rate of sampled (temperature 1) responses on n fresh prompts."""
+def sample_replies(config, variables, c, n: int, seed: int, efforts=None,
+                   effort_option: bool = True):
+  """(tasks, replies): n fresh prompts of `c`'s domains (and `efforts`, default c.rl.efforts),
+  each answered once by sampling at temperature 1."""
   import jax
-  from k3jax.posttrain.rl import rewards
   from k3jax.posttrain.rl import rollout as R
   from k3jax.data import rl_tasks
-  c = _cfg()
-  ts = rl_tasks.TaskSampler(c.rl.domains, c.rl.efforts, seed=seed).sample(n)
+  ts = rl_tasks.TaskSampler(c.rl.domains, efforts or c.rl.efforts, seed=seed,
+                            effort_option=effort_option).sample(n)
   o = R.rollout(config, variables, [t.tokens for t in ts], c.rl.max_new_tokens,
                 key=jax.random.PRNGKey(seed), width=c.rl.max_prompt_len + c.rl.max_new_tokens,
                 stop_tokens=[rl_tasks.STOP_TOKEN])
-  texts = [rl_tasks.decode(o.row(b)[0]) for b in range(n)]
-  return float(rewards.task_rewards(ts, texts).mean())
+  return ts, [rl_tasks.read_reply(o.row(b)[0]) for b in range(n)]
+
+
+def accuracy(config, variables, n: int = 64, seed: int = 99) -> float:
+  """Mean exact-answer rate of sampled (temperature 1) replies on n fresh prompts."""
+  from k3jax.posttrain.rl import rewards
+  ts, replies = sample_replies(config, variables, _cfg(), n, seed)
+  return float(rewards.task_rewards(ts, [r.response for r in replies]).mean())
 
 
 def mopd(out: pathlib.Path, config, variables):
@@ -286,7 +305,8 @@ def mopd(out: pathlib.Path, config, variables):
     c.loss.update(dict(mopd_coef=1.0, r_max=1.0))
     teachers = Teachers({(d, e): (config, tv) for d in c.rl.domains for e in c.rl.efforts},
                         config.text.vocab_size)
-    hist, state = loop.run(c, s_cfg, student, teachers=teachers, out_dir=out / f"mopd_{name}")
+    hist, state = loop.run(loop.rl_config(c), s_cfg, student, teachers=teachers,
+                           out_dir=out / f"mopd_{name}")
     res[f"student_with_{name}_teacher"] = {"accuracy_after": accuracy(s_cfg, state.variables),
                                            "rounds": hist}
     print(name, res[f"teacher_{name}_accuracy"], res[f"student_with_{name}_teacher"]["accuracy_after"])

@@ -131,7 +131,7 @@ def test_sft_rl_and_generate_share_the_encoder():
   from k3jax.data import rl_tasks
   t = rl_tasks.TaskSampler(seed=0).sample(1)[0]
   want = ChatEncoder(ByteTokenizer()).encode(rl_tasks.conversation(t.question, t.effort),
-                                             reply="instruct", bos=False).ids.tolist()
+                                             reply="thinking", bos=False).ids.tolist()
   assert list(t.tokens) == want
   assert np.asarray(ByteTokenizer().encode(rl_tasks.render(t.question, t.effort),
                                            specials=True)).tolist() == want

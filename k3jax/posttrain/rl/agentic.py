@@ -10,6 +10,13 @@ trajectories of a task; one step of `make_rl_step` on the policy's own tokens
 engine's log-probs as the behaviour log-probs. The engine then serves the updated weights
 (`Engine.set_variables`, which also drops the cache: its states were the old weights').
 
+Effort budget (`budget.enabled`; K3 §13): T(y) = `Trajectory.effort_tokens(agentic=True)` —
+the thinking tokens plus every tool call's argument tokens; b₀(x) = the mean T of
+`budget.b0_samples` trajectories of the *initial* policy on task x (`EffortB0`: rolled out
+through a second engine that keeps serving the initial weights, once per task, in the round
+the task is first trained); τ_d(r) per domain, annealed as in the single-turn loop
+(`loop.tau_schedule`); the reward becomes −1 when T(y) > τ·b₀(x) (`budget_rewards`).
+
 Sampling is at temperature 1: the engine's log-probs are those of the model's own
 distribution, which is then the sampling distribution, so behaviour = trainer log-probs up to
 rounding (the `mismatch` metric).
@@ -32,8 +39,9 @@ from k3jax.data.tool_tasks import ToolTaskSampler, is_correct
 from k3jax.posttrain.rl import logprobs as lp_lib
 from k3jax.posttrain.rl import sandbox
 from k3jax.posttrain.rl.env import ToolEnv, Trajectory, rollout, training_rows
-from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, write_json
+from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, tau_schedule, write_json
 from k3jax.posttrain.rl.losses import group_advantages
+from k3jax.posttrain.rl.rewards import apply_budget, budget_violations
 from k3jax.posttrain.rl.update import make_rl_step
 from k3jax.serve.engine import Engine, EngineConfig
 from k3jax.train.optim import optimizer
@@ -50,6 +58,36 @@ def engine_config(r: RLRun) -> EngineConfig:
                       max_len=-(-a.max_tokens // page) * page, page_size=page, prefill_chunk=64,
                       checkpoint_interval=64, boundary_token=CHAT_END, step_tokens=256,
                       num_checkpoints=4 * a.num_slots)
+
+
+class EffortB0:
+  """b₀(x) on agentic T(y) (module doc): the mean `effort_tokens(agentic=True)` of `samples`
+  trajectories of the engine's (initial) policy on task x, rolled out once per task uid."""
+
+  def __init__(self, engine: Engine, env: ToolEnv, samples: int, seed: int = 0):
+    self.engine, self.env, self.samples, self.seed = engine, env, samples, seed
+    self.values: dict[int, float] = {}
+    self.calls = 0
+
+  def __call__(self, tasks: Sequence) -> np.ndarray:
+    new = list({t.uid: t for t in tasks if t.uid not in self.values}.values())
+    if new:
+      rows = [t for t in new for _ in range(self.samples)]
+      trajs = rollout(self.engine, rows, self.env, temperature=1.0,
+                      seed=self.seed * 7919 + 104_729 + self.calls)
+      self.calls += 1
+      for i, t in enumerate(new):
+        part = trajs[i * self.samples:(i + 1) * self.samples]
+        self.values[t.uid] = float(np.mean([x.effort_tokens(agentic=True) for x in part]))
+    return np.array([self.values[t.uid] for t in tasks], np.float64)
+
+
+def budget_rewards(rewards, trajs: Sequence[Trajectory], b0, tau
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(rewards with −1 where T(y) > τ·b₀(x), violations [n] bool, T(y) [n]) on agentic T(y) =
+  thinking + tool-call argument tokens (T = τ·b₀ is within budget)."""
+  effort = np.array([t.effort_tokens(agentic=True) for t in trajs], np.float64)
+  return (apply_budget(rewards, effort, b0, tau), budget_violations(effort, b0, tau), effort)
 
 
 def run(r: RLRun, config: ModelConfig, variables: dict, *,
@@ -81,6 +119,9 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
                 max_turns=a.max_turns, max_tokens=a.max_tokens,
                 max_reply_tokens=a.max_reply_tokens)
   engine = Engine(config, jax.tree.map(jnp.array, state.variables), engine_config(r))
+  b0 = (EffortB0(Engine(config, initial, engine_config(r)), env, r.budget.b0_samples,
+                 seed=r.run.seed + 1) if r.budget.enabled else None)
+  taus = tau_schedule(r)
   sampler = ToolTaskSampler(ro.domains, ro.efforts, seed=r.run.seed)
   width, resp = ro.max_prompt_len + a.max_tokens, a.max_tokens
   out = pathlib.Path(out_dir) if out_dir is not None else None
@@ -99,6 +140,18 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     rollout_s = time.perf_counter() - t0
     rewards = (np.array([float(is_correct(t.task, t.response)) for t in trajs], np.float32)
                if reward_fn is None else np.asarray(reward_fn(trajs), np.float32))
+    accuracy = rewards
+    effort = np.array([t.effort_tokens(agentic=True) for t in trajs], np.float64)
+    budget = {}
+    if b0 is not None:
+      base = b0([t.task for t in trajs])
+      taus_row = np.array([taus(t.task.domain, rnd) for t in trajs])
+      rewards, violations, effort = budget_rewards(accuracy, trajs, base, taus_row)
+      budget = {"tau": float(taus_row.mean()), "b0": float(base.mean()),
+                "budget_violations": float(violations.mean()),
+                "per_trajectory": {"effort": effort.tolist(), "b0": base.tolist(),
+                                   "tau": taus_row.tolist(), "accuracy": accuracy.tolist(),
+                                   "reward": rewards.tolist()}}
     adv = group_advantages(rewards, ro.k, lcfg.adv_std_norm, lcfg.adv_eps)
     seqs, plens, mask, blp = training_rows(trajs, width, resp)
     rows = len(trajs)
@@ -114,12 +167,13 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     engine.set_variables(jax.tree.map(jnp.array, state.variables))
     later = [turn for t in trajs for turn in t.turns[1:]]
     m = {"round": rnd, "trajectories": rows, "reward": float(rewards.mean()),
+         "accuracy": float(accuracy.mean()),
          "turns": float(np.mean([len(t.turns) for t in trajs])),
          "tool_calls": int(sum(len(t.results) for t in trajs)),
          "finish": {f: sum(t.finish == f for t in trajs) for f in ("answer", "turn_limit",
                                                                   "token_limit")},
          "policy_tokens": int(mask.sum()),
-         "effort_tokens": float(np.mean([t.effort_tokens(agentic=True) for t in trajs])),
+         "effort_tokens": float(effort.mean()), **budget,
          "cached_fraction_later_turns": (sum(t.cached for t in later)
                                          / max(sum(t.prompt_len for t in later), 1)),
          "mismatch": float(np.abs(lp - blp)[mask > 0].max()) if mask.any() else 0.0,
@@ -133,4 +187,4 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
   return history, state
 
 
-__all__ = ["engine_config", "run"]
+__all__ = ["EffortB0", "budget_rewards", "engine_config", "run"]

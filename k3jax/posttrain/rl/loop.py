@@ -4,17 +4,21 @@ round, with per-round metrics.
 Round r (policy version v = optimizer steps taken):
   1. `PartialRollout.round` generates until λ of the active trajectories finished and hands
      out the groups whose K completions have all finished (k3jax/posttrain/rl/partial.py).
-  2. Task reward (exact checker), effort budget with b₀(x) = mean length of `budget.b0_samples`
-     completions of the initial policy on x (sampled once per prompt, when its group is first
-     trained) and τ = the domain's schedule at round r, group baseline (k3jax/posttrain/rl/losses.py).
-  3. MOPD: each row's teacher (by the prompt's (domain, effort)) scores its tokens.
+  2. Task reward (exact checker on the reply's response channel), effort budget on
+     T(y) = the reply's thinking tokens (`rl_tasks.read_reply`; K3 §13: general tasks count
+     thinking) with b₀(x) = mean T of `budget.b0_samples` completions of the initial policy
+     on x (sampled once per prompt, when its group is first trained) and τ = the domain's
+     schedule at round r, group baseline (k3jax/posttrain/rl/losses.py).
+  3. MOPD: each row's teacher (by the prompt's (domain, effort)) scores its tokens, on the
+     prompt without the effort option (`rewards.Teachers`).
   4. One optimizer step (k3jax/posttrain/rl/update.py) on all handed-out groups (rows padded to a
      multiple of N·K: few compiled shapes).
 Metrics per round (DIR/metrics.jsonl, one JSON object a line): reward (final, after budget),
-accuracy (task reward before budget), length, budget_violations, mopd (mean clipped r_t),
-mismatch (max |rollout − trainer| log-prob over the tokens sampled by the current policy from a
-cache it computed — with rl.retain_cache a resumed trajectory's cache holds older policies'
-states), prefill_tokens (rollout tokens run through prefill),
+accuracy (task reward before budget), length (reply tokens), thinking (T(y)),
+budget_violations, mopd (mean clipped r_t), mismatch (max |rollout − trainer| log-prob over the
+tokens sampled by the current policy from a cache it computed — with rl.retain_cache a resumed
+trajectory's cache holds older policies' states), prefill_tokens (rollout tokens run through
+prefill),
 rollout_tokens_per_s, train_tokens_per_s, and bookkeeping counts.
 """
 
@@ -37,7 +41,7 @@ from k3jax import sharding
 from k3jax.config import ModelConfig
 from k3jax.data import tool_tasks
 from k3jax.data.rl_tasks import DOMAINS as RL_DOMAINS
-from k3jax.data.rl_tasks import STOP_TOKEN, Task, TaskSampler, decode
+from k3jax.data.rl_tasks import STOP_TOKEN, Task, TaskSampler, read_reply
 from k3jax.posttrain.rl import logprobs as lp_lib
 from k3jax.posttrain.rl import rollout as rollout_lib
 from k3jax.posttrain.rl.losses import LossConfig, group_advantages
@@ -64,7 +68,7 @@ class RolloutConfig:
   n_prompts: int = 4
   k: int = 4
   lam: float = 0.75
-  max_new_tokens: int = 16
+  max_new_tokens: int = 32       # thinking, then `[close][open]response[sep]` answer …
   max_prompt_len: int = 112
   temperature: float = 1.0
   domains: tuple[str, ...] = ("arith", "sort", "puzzle")
@@ -76,6 +80,9 @@ class RolloutConfig:
   # caches and resumed without prefill (k3jax/posttrain/rl/partial.py); False: resumed
   # prefixes are recomputed (the reference). Needs temperature 1.
   retain_cache: bool = True
+  # False: prompts without the effort option (the task's effort still picks τ and the
+  # teacher): how a (domain × effort) teacher is trained (experiments/rl_pipeline.py).
+  effort_option: bool = True
 
   def __post_init__(self):
     for f in ("rounds", "n_prompts", "k", "max_new_tokens", "max_prompt_len"):
@@ -198,7 +205,8 @@ def policy_config(rl: RolloutConfig, config: ModelConfig) -> ModelConfig:
 
 
 class B0:
-  """b₀(x): mean response length of the initial policy on prompt x, sampled once per prompt."""
+  """b₀(x): mean T(y) (thinking tokens, `rl_tasks.read_reply`) of the initial policy's
+  completions of prompt x, sampled once per prompt."""
 
   def __init__(self, config, variables, *, batch: int, samples: int, max_new_tokens: int,
                width: int, temperature: float, seed: int):
@@ -218,7 +226,7 @@ class B0:
       self.key, sub = jax.random.split(self.key)
       out = rollout_lib.sample(self.config, self.variables, prefixes, limits, width=self.width,
                                key=sub, stop_tokens=[STOP_TOKEN], temperature=self.temperature)
-      lengths += out.lengths[:len(part)].tolist()
+      lengths += [read_reply(out.row(b)[0]).thinking_tokens for b in range(len(part))]
     for i, t in enumerate(new):
       self.values[t.uid] = float(np.mean(lengths[i * self.samples:(i + 1) * self.samples]))
     return np.array([self.values[t.uid] for t in tasks], np.float64)
@@ -264,7 +272,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *, teachers: Teachers | 
   step_fn = make_rl_step(config, tx, lcfg, temperature=float(ro.temperature),
                          qk_clip_tau=cfg.optim.qk_clip_tau, mesh=mesh,
                          rules=run_rules(cfg) if mesh is not None else None)
-  sampler = TaskSampler(tuple(ro.domains), tuple(ro.efforts), seed=cfg.seed)
+  sampler = TaskSampler(tuple(ro.domains), tuple(ro.efforts), seed=cfg.seed,
+                        effort_option=ro.effort_option)
   pool = PartialRollout(sampler, n_prompts=ro.n_prompts, k=ro.k, lam=float(ro.lam),
                         max_new_tokens=ro.max_new_tokens, width=width, stop_tokens=[STOP_TOKEN],
                         temperature=float(ro.temperature), limit_fn=limit_fn, seed=cfg.seed,
@@ -309,13 +318,15 @@ def _update(r: RolloutConfig, config, groups, rnd, version, taus, b0, teachers, 
   trajs = [t for g in groups for t in g]
   tasks = [t.task for t in trajs]
   lengths = np.array([len(t.tokens) for t in trajs])
-  accuracy = task_rewards(tasks, [decode(t.tokens) for t in trajs])
+  replies = [read_reply(t.tokens) for t in trajs]
+  effort = np.array([rp.thinking_tokens for rp in replies])     # T(y)
+  accuracy = task_rewards(tasks, [rp.response for rp in replies])   # the response channel
   rewards, violations, tau = accuracy, np.zeros(len(trajs), bool), np.nan
   if b0 is not None:
     base = b0(tasks)
     taus_row = np.array([taus(t.domain, rnd) for t in tasks])
-    violations = budget_violations(lengths, base, taus_row)
-    rewards = apply_budget(accuracy, lengths, base, taus_row)
+    violations = budget_violations(effort, base, taus_row)
+    rewards = apply_budget(accuracy, effort, base, taus_row)
     tau = float(taus_row.mean())
   adv = group_advantages(rewards, r.k, lcfg.adv_std_norm, lcfg.adv_eps)
   rows = math.ceil(len(trajs) / slots) * slots
@@ -349,7 +360,8 @@ def _update(r: RolloutConfig, config, groups, rnd, version, taus, b0, teachers, 
   stale = mask.astype(bool) & ~fresh
   return {
       "trained": len(trajs), "reward": float(rewards.mean()), "accuracy": float(accuracy.mean()),
-      "length": float(lengths.mean()), "budget_violations": float(violations.mean()),
+      "length": float(lengths.mean()), "thinking": float(effort.mean()),
+      "budget_violations": float(violations.mean()),
       "tau": tau, "mopd": float(met["mopd"]) if has.any() else 0.0,
       "teacher_rows": int(has.sum()),
       "mismatch": float(np.abs(lp - blp)[fresh].max()) if fresh.any() else 0.0,

@@ -51,6 +51,54 @@ def test_rounds_train_on_engine_rollouts_and_the_engine_serves_the_update():
   assert np.abs(after - before).max() > 1e-3
 
 
+def test_budget_on_agentic_effort_boundary():
+  """T(y) = thinking + tool-call argument tokens; T = τ·b₀ is within budget, T = τ·b₀ + 1 is
+  rewarded −1, whatever the task reward."""
+  from k3jax.posttrain.rl.env import Trajectory
+  task = T.ToolTaskSampler(domains=("bigmul",), seed=1).sample(1)[0]
+
+  def traj(think, args):
+    return Trajectory(task, list(task.tokens), len(task.tokens), thinking_tokens=think,
+                      argument_tokens=args)
+
+  # b₀ = 8, τ = 1.5: budget 12.
+  trajs = [traj(12, 0), traj(5, 7), traj(6, 7), traj(13, 0), traj(0, 0)]
+  rewards, violations, effort = agentic.budget_rewards([1.0, 1.0, 1.0, 0.0, 0.0], trajs, 8.0,
+                                                       1.5)
+  np.testing.assert_array_equal(effort, [12, 12, 13, 13, 0])
+  np.testing.assert_array_equal(violations, [False, False, True, True, False])
+  np.testing.assert_array_equal(rewards, [1.0, 1.0, -1.0, -1.0, 0.0])
+  assert trajs[1].effort_tokens(agentic=False) == 5       # general tasks: thinking alone
+
+
+def test_rounds_with_the_budget_on_agentic_effort():
+  """budget.enabled in agentic rounds: b₀ from the initial policy's trajectories (a second
+  engine), τ annealed per domain, every trajectory's reward = −1 iff T > τ·b₀."""
+  c = rl_base_config("tiny")
+  c.rl.update(dict(rounds=2, n_prompts=2, k=2, domains=("bigmul", "strops"),
+                   max_prompt_len=544))
+  c.agent.update(dict(enabled=True, max_tokens=608, max_reply_tokens=8, max_turns=2,
+                      num_slots=4, tool_cpu_seconds=1, tool_wall_seconds=4.0))
+  c.budget.update(dict(enabled=True, b0_samples=1, tau_start=1.0, tau_end=0.5,
+                       anneal_rounds=1))
+  r = rl_config(c)
+  variables = init_variables(CONFIG, jax.random.PRNGKey(0))
+  history, _ = agentic.run(r, CONFIG, variables, log=None,
+                           reward_fn=lambda trajs: [1.0] * len(trajs))
+  assert [h["tau"] for h in history] == [1.0, 0.5]
+
+  for h in history:
+    p = h["per_trajectory"]
+    assert len(p["effort"]) == 4 and h["b0"] > 0
+    for e, b, tau, acc, rew in zip(p["effort"], p["b0"], p["tau"], p["accuracy"], p["reward"]):
+      assert rew == (-1.0 if e > tau * b else acc)
+    # b₀ is one value per task (its group of K shares it).
+    assert p["b0"][0] == p["b0"][1] and p["b0"][2] == p["b0"][3]
+    assert h["budget_violations"] == np.mean([e > t * b for e, b, t in
+                                              zip(p["effort"], p["b0"], p["tau"])])
+  assert h["effort_tokens"] == np.mean(p["effort"])
+
+
 def test_bad_settings_are_named():
   variables = {"params": {}}
   with pytest.raises(ValueError, match="rl.temperature"):

@@ -32,7 +32,7 @@ def test_one_round(tmp_path):
   assert m["groups"] == 2 and m["trained"] == 4 and m["queued"] == 0
   assert m["mismatch"] <= 1e-5
   assert m["teacher_rows"] == 4 and 0 < abs(m["mopd"]) <= c.loss.r_max
-  assert -1 <= m["reward"] <= 1 and 1 <= m["length"] <= 8
+  assert -1 <= m["reward"] <= 1 and 1 <= m["length"] <= 8 and 0 <= m["thinking"] <= m["length"]
   assert m["tau"] == c.budget.tau_start
   assert m["kl"] >= 0 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
   assert m["rollout_tokens_per_s"] > 0 and m["train_tokens_per_s"] > 0

@@ -39,6 +39,8 @@ def test_tasks_answers_checkers_and_prompts():
     text = rl_tasks.decode(t.tokens)     # specials dropped
     assert t.question in text and f'"effort":"{t.effort}"' in text
     assert t.tokens[-1] == 262 and t.tokens.count(261) == 4    # ends with [sep]; 4 [open]
+    assert t.tokens[-8:] == (262, 261, *b"think", 262)          # thinking mode
+    assert rl_tasks.render(t.question, t.effort).endswith("[open]think[sep]")
     assert rl_tasks.is_correct(t, "..  " + t.answer)
     assert not rl_tasks.is_correct(t, t.answer + " x")
     assert not rl_tasks.is_correct(t, "")
@@ -46,6 +48,99 @@ def test_tasks_answers_checkers_and_prompts():
   np.testing.assert_array_equal(r, [1.0, 0.0])
   with pytest.raises(ValueError, match="domain"):
     rl_tasks.TaskSampler(domains=("chess",))
+
+
+def test_replies_are_read_for_thinking_tokens_and_the_response_channel():
+  t = rl_tasks.make_task(np.random.default_rng(0), 0, "arith", "low")
+  ok = rl_tasks.reply_tokens("a b.", t.answer)
+  # think text, [close], [open] "response" [sep], the answer, [close], [end_of_msg]
+  assert list(ok) == [*b"a b.", 263, 261, *b"response", 262, *t.answer.encode(), 263, 264]
+  r = rl_tasks.read_reply(ok)
+  assert (r.thinking_tokens, r.response, r.complete) == (4, t.answer, True)
+  assert rl_tasks.reply_correct(t, ok) and rl_tasks.thinking_tokens(ok) == 4
+  wrong = rl_tasks.reply_tokens("", t.answer + "0")
+  assert rl_tasks.read_reply(wrong).thinking_tokens == 0 and not rl_tasks.reply_correct(t, wrong)
+  # The answer in the think channel alone is no answer; a cut reply has none either.
+  assert not rl_tasks.reply_correct(t, rl_tasks.encode(" " + t.answer) + (263, 264))
+  cut = ok[:-1]
+  assert rl_tasks.read_reply(cut) == rl_tasks.Reply(4, None, False)
+  assert rl_tasks.read_reply(ok[:2]).thinking_tokens == 2
+  # A marker typed as bytes inside text is text, and the reply then has no answer.
+  spelled = rl_tasks.encode("[close]") + ok
+  assert rl_tasks.read_reply(spelled) == rl_tasks.Reply(11, None, True)
+  # Tokens after [end_of_msg] are ignored.
+  assert rl_tasks.read_reply(ok + (46, 46)).thinking_tokens == 4
+  # T(y) of a general task is what the agentic environment counts as thinking.
+  from k3jax.posttrain.rl.env import ToolEnv
+  for reply in (ok, wrong, cut, rl_tasks.reply_tokens("x" * 9, "5")):
+    assert ToolEnv().read_reply(reply).channel_tokens.get("think", 0) == \
+        rl_tasks.thinking_tokens(reply)
+  # Cold-start replies are correct and think 0..max_filler dots.
+  rng = np.random.default_rng(1)
+  lens = [rl_tasks.read_reply(rl_tasks.sft_reply(t, rng, 5)) for _ in range(40)]
+  assert all(x.response == t.answer for x in lens)
+  assert {x.thinking_tokens for x in lens} == set(range(6))
+  # Without the effort option the prompt has no options block; the task keeps its effort.
+  bare = rl_tasks.make_task(np.random.default_rng(0), 0, "arith", "low", effort_option=False)
+  assert bare.effort == "low" and bare.question == t.question
+  assert bare.tokens == rl_tasks.prompt_tokens(t.question, None) == t.tokens[26:]
+  assert rl_tasks.decode(t.tokens[:26]) == 'options{"effort":"low"}'
+
+
+def test_strip_effort_removes_only_the_effort():
+  t = rl_tasks.make_task(np.random.default_rng(0), 0, "sort", "max")
+  assert rewards.strip_effort(t.tokens) == list(rl_tasks.prompt_tokens(t.question, None))
+  from k3jax.data import chat, tool_tasks
+  tt = tool_tasks.ToolTaskSampler(seed=0).sample(1)[0]
+  keep = tool_tasks.prompt_tokens(chat.user_conversation(
+      tt.question, options=chat.Options((tool_tasks.PYTHON_TOOL,))))
+  assert rewards.strip_effort(tt.tokens) == list(keep)          # the tools stay
+  assert len(tt.tokens) - len(keep) == len(b',"effort":"') + len(tt.effort) + 1
+  # A mid-conversation (turn_options) effort goes too; prompts without one are unchanged.
+  from k3jax.data.chat_tokens import ChatEncoder
+  from k3jax.data.tokenizers import ByteTokenizer
+  enc = ChatEncoder(ByteTokenizer())
+  conv = chat.Conversation((chat.Message("user", "a"), chat.Message("user", "b")),
+                           options_at=((1, chat.Options(effort="low")),))
+  plain = chat.Conversation((chat.Message("user", "a"), chat.Message("user", "b")))
+  ids = enc.encode(conv, reply="thinking", bos=False).ids.tolist()
+  want = enc.encode(plain, reply="thinking", bos=False).ids.tolist()
+  assert rewards.strip_effort(ids) == want and rewards.strip_effort(want) == want
+
+
+def test_teachers_score_the_prompt_without_the_effort_option():
+  """Teacher log-probs on the stripped rows = a direct forward of the teacher on the prompt
+  without the option, token for token; they differ from scoring the student's prompt, and the
+  MOPD reward is made of them."""
+  from k3jax.posttrain.rl import logprobs as L
+  from k3jax.posttrain.rl import rollout as R
+  from k3jax.train.state import init_variables
+  cfg = preset("tiny", num_layers=1, first_dense_layers=1, mla_every=1,
+               attn_res_block_size=None, num_mtp_layers=0)
+  tv = init_variables(cfg, jax.random.PRNGKey(5))
+  rng = np.random.default_rng(2)
+  ts = [rl_tasks.make_task(rng, i, "arith", e) for i, e in enumerate(("low", "max", "high"))]
+  resp = [rl_tasks.sft_reply(t, rng) for t in ts]
+  width, rw = 96, 24
+  seqs, plens = R.sequences([t.tokens for t in ts], resp, width)
+  teachers = rewards.Teachers({("arith", "low"): (cfg, tv), ("arith", "max"): (cfg, tv)},
+                              cfg.text.vocab_size)
+  keys = [(t.domain, t.effort) for t in ts]
+  tlp, has = teachers.score(keys, seqs, plens, rw)
+  np.testing.assert_array_equal(has, [True, True, False])
+  bare, bare_lens = R.sequences([rl_tasks.prompt_tokens(t.question, None) for t in ts], resp,
+                                width)
+  direct = L.token_logprobs(cfg, tv, bare, bare_lens, rw)
+  for b in (0, 1):
+    n = len(resp[b])
+    np.testing.assert_allclose(tlp[b, :n], direct[b, :n], atol=1e-6)
+  np.testing.assert_array_equal(tlp[2], 0.0)
+  seen, _ = rewards.Teachers(teachers.teachers, cfg.text.vocab_size,
+                             strip_effort=False).score(keys, seqs, plens, rw)
+  assert np.abs(seen[0, :len(resp[0])] - tlp[0, :len(resp[0])]).max() > 1e-4
+  student = np.full_like(tlp, -3.0)
+  np.testing.assert_allclose(np.asarray(rewards.mopd_reward(tlp, student, 1.0)),
+                             np.clip(tlp + 3.0, -1.0, 1.0), atol=1e-6)
 
 
 def test_budget_boundary():
