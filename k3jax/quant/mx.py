@@ -128,6 +128,14 @@ def _floor_log2_int(m):
 
 
 def _ldexp_exact(v, k):
+  """`_ldexp_bits` (below); for jax arrays as one jitted function (eager callers compile it
+  once per shape instead of each of its integer operations)."""
+  if _xp(v) is np:
+    return _ldexp_bits(v, k)
+  return _ldexp_bits_jit(v, jnp.asarray(k, jnp.int32))
+
+
+def _ldexp_bits(v, k):
   """v · 2^k for float32 v (subnormal v included) and int k, built from the bit pattern with
   integer operations: normal results are exact, subnormal results round half to even (exact
   whenever representable). No float multiply by 2^k, so XLA's flush of subnormal inputs,
@@ -161,7 +169,17 @@ def _ldexp_exact(v, k):
   return _from_bits(out)
 
 
+_ldexp_bits_jit = jax.jit(lambda v, k: _ldexp_bits(v, k))
+
+
 def _shared_scale(blocks, fmt: _Fmt, axis: int = -1, keepdims: bool = False):
+  """`_shared_scale_bits` (below); for jax arrays jitted as one function."""
+  if _xp(blocks) is np:
+    return _shared_scale_bits(blocks, fmt, axis, keepdims)
+  return _shared_scale_jit(blocks, fmt, axis, keepdims)
+
+
+def _shared_scale_bits(blocks, fmt: _Fmt, axis: int = -1, keepdims: bool = False):
   """E8M0 byte per block (blocks [..., nb, 32], or the 32 along `axis`) and its exponent X
   as int32. The block maximum and its floor(log2) come from the bit patterns (integer
   operations: subnormal values count, under XLA too). A block holding an infinity or a NaN
@@ -179,6 +197,9 @@ def _shared_scale(blocks, fmt: _Fmt, axis: int = -1, keepdims: bool = False):
   x = xp.where(finite, xp.clip(x, -SCALE_BIAS, SCALE_BIAS), 0)
   byte = xp.where(finite, x + SCALE_BIAS, 255)
   return byte.astype(xp.uint8), x.astype(xp.int32)
+
+
+_shared_scale_jit = jax.jit(_shared_scale_bits, static_argnums=(1, 2, 3))
 
 
 def _quantize(w, fmt: _Fmt):
