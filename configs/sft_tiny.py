@@ -16,6 +16,11 @@ from k3jax.train.run import base_config
 def get_config():
   c = base_config("tiny")
   c.model.num_layers = 4
+  # QAT from SFT on (K3 §13, docs/notes/qat.md): the routed experts' weights in MXFP4, their
+  # inputs in MXFP8, straight-through gradients; the checkpoint carries it, so generation,
+  # evaluation and RL from it quantise alike (a config derived from this one turns it off
+  # with c.model.expert_qat = None).
+  c.model.expert_qat = "mxfp4_mxfp8"
   c.train.steps = 300
   c.train.batch_size = 8
   c.train.seq_len = 352          # the longest calculator conversation (330 tokens) fits

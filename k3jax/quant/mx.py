@@ -106,15 +106,100 @@ def _encode(mag, sign, fmt: _Fmt):
   return code | (sign.astype(xp.uint8) << (fmt.exp_bits + fmt.man_bits))
 
 
+def _bits(x):
+  """float32 → its uint32 bit pattern (no arithmetic: XLA keeps subnormals)."""
+  if _xp(x) is np:
+    return np.ascontiguousarray(x, np.float32).view(np.uint32)
+  return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def _from_bits(b):
+  """uint32 bit patterns → float32 (no arithmetic)."""
+  if _xp(b) is np:
+    return np.ascontiguousarray(b, np.uint32).view(np.float32)
+  return jax.lax.bitcast_convert_type(b.astype(jnp.uint32), jnp.float32)
+
+
+def _floor_log2_int(m):
+  """floor(log2 m) of positive int32 m < 2^24 (their float32 is exact and normal)."""
+  xp = _xp(m)
+  _, e = xp.frexp(xp.maximum(m, 1).astype(xp.float32))
+  return e.astype(xp.int32) - 1
+
+
+def _ldexp_exact(v, k):
+  """`_ldexp_bits` (below); for jax arrays as one jitted function (eager callers compile it
+  once per shape instead of each of its integer operations)."""
+  if _xp(v) is np:
+    return _ldexp_bits(v, k)
+  return _ldexp_bits_jit(v, jnp.asarray(k, jnp.int32))
+
+
+def _ldexp_bits(v, k):
+  """v · 2^k for float32 v (subnormal v included) and int k, built from the bit pattern with
+  integer operations: normal results are exact, subnormal results round half to even (exact
+  whenever representable). No float multiply by 2^k, so XLA's flush of subnormal inputs,
+  factors and results (denormals-are-zero / flush-to-zero on CPU, GPU, TPU) cannot touch it;
+  numpy and jax give the same bits. Infinities and NaNs pass through unchanged."""
+  xp = _xp(v)
+  i32, u32 = xp.int32, xp.uint32
+  b = _bits(v)
+  sign = b & u32(0x80000000)
+  ef = ((b >> 23) & u32(0xFF)).astype(i32)
+  man = (b & u32(0x7FFFFF)).astype(i32)
+  # A subnormal v = man · 2^−149 in normal form: significand (1.f) and exponent field ≤ 0.
+  lz = 23 - _floor_log2_int(man)               # shift that brings man's top bit to bit 23
+  sub = (ef == 0) & (man != 0)
+  sig = xp.where(sub, (man << xp.clip(lz, 0, 23)) & 0x7FFFFF, man) | 0x800000   # 24 bits
+  ne = xp.where(sub, 1 - lz, ef) + xp.asarray(k, i32)       # the result's exponent field
+  normal = (sign | (xp.clip(ne, 1, 254).astype(u32) << 23)
+            | (sig & 0x7FFFFF).astype(u32))
+  # Subnormal result: field = sig · 2^(ne − 1), i.e. sig >> (1 − ne), rounded half to even.
+  s = xp.clip(1 - ne, 1, 31).astype(u32)
+  usig = sig.astype(u32)
+  q = usig >> s
+  rem = usig & ((u32(1) << s) - u32(1))
+  half = u32(1) << (s - u32(1))
+  q = q + ((rem > half) | ((rem == half) & ((q & u32(1)) == u32(1)))).astype(u32)
+  subn = sign | q
+  out = xp.where(ne >= 1, normal, subn)
+  out = xp.where(ne > 254, sign | u32(0x7F800000), out)
+  out = xp.where((ef == 0) & (man == 0), sign, out)          # ±0
+  out = xp.where(ef == 255, b, out)                           # inf / NaN unchanged
+  return _from_bits(out)
+
+
+_ldexp_bits_jit = jax.jit(lambda v, k: _ldexp_bits(v, k))
+
+
 def _shared_scale(blocks, fmt: _Fmt, axis: int = -1, keepdims: bool = False):
+  """`_shared_scale_bits` (below); for jax arrays jitted as one function."""
+  if _xp(blocks) is np:
+    return _shared_scale_bits(blocks, fmt, axis, keepdims)
+  return _shared_scale_jit(blocks, fmt, axis, keepdims)
+
+
+def _shared_scale_bits(blocks, fmt: _Fmt, axis: int = -1, keepdims: bool = False):
   """E8M0 byte per block (blocks [..., nb, 32], or the 32 along `axis`) and its exponent X
-  as int32."""
+  as int32. The block maximum and its floor(log2) come from the bit patterns (integer
+  operations: subnormal values count, under XLA too). A block holding an infinity or a NaN
+  gets byte 255 (E8M0 NaN) and X = 0."""
   xp = _xp(blocks)
-  amax = xp.max(xp.abs(blocks), axis=axis, keepdims=keepdims)
-  _, e = xp.frexp(amax)
-  x = xp.where(amax > 0, e - 1 - fmt.emax, -SCALE_BIAS)
-  x = xp.clip(x, -SCALE_BIAS, SCALE_BIAS)
-  return (x + SCALE_BIAS).astype(xp.uint8), x.astype(xp.int32)
+  u32 = xp.uint32
+  mag = _bits(blocks) & u32(0x7FFFFFFF)
+  # For non-negative floats the bit patterns order as the values (NaNs above infinity).
+  amax = xp.max(mag, axis=axis, keepdims=keepdims)
+  finite = amax < u32(0x7F800000)
+  ef = (amax >> 23).astype(xp.int32)
+  flog2 = xp.where(ef > 0, ef - 127,
+                   _floor_log2_int((amax & u32(0x7FFFFF)).astype(xp.int32)) - 149)
+  x = xp.where(amax > 0, flog2 - fmt.emax, -SCALE_BIAS)
+  x = xp.where(finite, xp.clip(x, -SCALE_BIAS, SCALE_BIAS), 0)
+  byte = xp.where(finite, x + SCALE_BIAS, 255)
+  return byte.astype(xp.uint8), x.astype(xp.int32)
+
+
+_shared_scale_jit = jax.jit(_shared_scale_bits, static_argnums=(1, 2, 3))
 
 
 def _quantize(w, fmt: _Fmt):
@@ -126,9 +211,11 @@ def _quantize(w, fmt: _Fmt):
     raise ValueError(f"w: MX {fmt.name} encoding needs finite values")
   blocks = w.reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
   scale_byte, x = _shared_scale(blocks, fmt)
-  y = xp.ldexp(blocks, -x[..., None])   # exact division by 2^X
+  y = _ldexp_exact(blocks, -x[..., None])   # division by 2^X (exact where it matters)
   mag, sign = _round_to_format(y, fmt)
-  codes = _encode(mag, sign, fmt)
+  # A block with an infinity or a NaN (jax only: numpy refuses them above): scale byte 255
+  # (NaN), codes 0; it decodes to NaN.
+  codes = xp.where((scale_byte == 255)[..., None], xp.uint8(0), _encode(mag, sign, fmt))
   return codes.reshape(w.shape), scale_byte
 
 
@@ -140,7 +227,7 @@ def _dequantize(codes, scales, table: np.ndarray, dtype):
                      f"for {codes.shape[-1]} values, found {tuple(scales.shape)}")
   blocks = vals.reshape(*codes.shape[:-1], codes.shape[-1] // BLOCK, BLOCK)
   exps = scales.astype(xp.int32) - SCALE_BIAS
-  out = xp.ldexp(blocks, exps[..., None])
+  out = _ldexp_exact(blocks, exps[..., None])
   # E8M0 byte 255 is NaN.
   out = xp.where((scales == 255)[..., None], xp.nan, out)
   return out.reshape(codes.shape).astype(dtype)
@@ -191,8 +278,10 @@ def fake_round(w, fmt: str = "mxfp4", axis: int = -1):
   and decoder do the same arithmetic with a code in between, so this is `mx_round` value for
   value (and, along axis −2, `unpack_expert(pack_expert(w))`), in w.dtype, several times
   cheaper under XLA than building and decoding codes — the form QAT runs (k3jax/quant/qat.py).
-  Under XLA, float32 subnormal results flush to zero, as in `mxfp4_unpack_fast`: values of
-  blocks whose largest magnitude is under 2^−124. Blocks of 32 along `axis` (−1 or −2)."""
+  The power-of-two scalings are integer operations on the bit patterns (`_ldexp_exact`), so
+  under XLA too the values equal the numpy codec's bit for bit, subnormal inputs and results
+  included (docs/notes/qat.md). A block holding an infinity or a NaN gives NaNs (its E8M0
+  scale is NaN). Blocks of 32 along `axis` (−1 or −2)."""
   f = {"mxfp4": E2M1, "mxfp8": E4M3}.get(fmt)
   if f is None:
     raise ValueError(f"fmt: expected 'mxfp4' or 'mxfp8', found {fmt!r}")
@@ -206,10 +295,11 @@ def fake_round(w, fmt: str = "mxfp4", axis: int = -1):
     blocks = w32.reshape(*w.shape[:-1], n // BLOCK, BLOCK)
   else:
     blocks = w32.reshape(*w.shape[:-2], n // BLOCK, BLOCK, w.shape[-1])
-  _, x = _shared_scale(blocks, f, axis=axis, keepdims=True)
-  mag, sign = _round_to_format(xp.ldexp(blocks, -x), f)
-  scale = xp.ldexp(xp.ones(x.shape, xp.float32), x)     # 2^X, one per block
-  return (xp.where(sign, -mag, mag) * scale).reshape(w.shape).astype(w.dtype)
+  byte, x = _shared_scale(blocks, f, axis=axis, keepdims=True)
+  mag, sign = _round_to_format(_ldexp_exact(blocks, -x), f)
+  out = _ldexp_exact(xp.where(sign, -mag, mag), x)      # · 2^X, one per block
+  out = xp.where(byte == 255, xp.float32(np.nan), out)
+  return out.reshape(w.shape).astype(w.dtype)
 
 
 def mx_round(w, fmt: str = "mxfp4"):
@@ -254,11 +344,9 @@ def pack_expert(w):
 def mxfp4_unpack_fast(packed, scales, dtype):
   """`mxfp4_unpack` for jax arrays in a form XLA runs fast (bit-identical results): each
   E2M1 nibble's float32 bits are built directly (sign, exponent e−1+127, one mantissa bit;
-  e = 0 is 0 or 0.5) instead of a table gather, and the block scale 2^(byte−127) is one float32
-  multiply (the product of two powers of two and a code is exact; byte 255 gives NaN).
-  One difference: XLA flushes float32 subnormals to zero, so values below 2^−126 — reachable
-  only with scale bytes 0 and 1, blocks whose largest magnitude is under 2^−124 — decode to
-  ±0 here (a weight that small is zero in any bf16/fp32 matmul on those backends too).
+  e = 0 is 0 or 0.5) instead of a table gather, and the block scale 2^(byte−127) is applied by
+  `_ldexp_exact` (integer operations on the bits: values below 2^−126, from scale bytes 0 and
+  1, are the exact subnormals, not flushed; byte 255 gives NaN).
   packed uint8 [..., n/2], scales uint8 [..., n/32] → [..., n] of `dtype`."""
   codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.uint32)   # [..., n/2, 2]
   sign = (codes >> 3) << 31
@@ -270,14 +358,10 @@ def mxfp4_unpack_fast(packed, scales, dtype):
   vals = jax.lax.bitcast_convert_type(bits, jnp.float32)
   n = packed.shape[-1] * 2
   vals = vals.reshape(*packed.shape[:-1], n // BLOCK, BLOCK)
-  sb = scales.astype(jnp.uint32)
-  # 2^(byte−127): exponent field = byte for 1 … 254; byte 255 is NaN; byte 0 (2^−127, a
-  # subnormal that XLA would read as 0) is applied as 0.5 · 2^−126.
-  sbits = jnp.where(sb == 0, jnp.uint32(1 << 23),
-                    jnp.where(sb == 255, jnp.uint32(0x7FC00000), sb << 23))
-  factor = jax.lax.bitcast_convert_type(sbits, jnp.float32)
-  vals = jnp.where((sb == 0)[..., None], vals * 0.5, vals)
-  return (vals * factor[..., None]).reshape(*packed.shape[:-1], n).astype(dtype)
+  exps = scales.astype(jnp.int32) - SCALE_BIAS
+  vals = _ldexp_exact(vals, exps[..., None])
+  vals = jnp.where((scales == 255)[..., None], jnp.float32(jnp.nan), vals)
+  return vals.reshape(*packed.shape[:-1], n).astype(dtype)
 
 
 def unpack_expert(packed, scale, dtype=np.float32):

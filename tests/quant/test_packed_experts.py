@@ -102,15 +102,16 @@ def test_stack_release_experts_errors():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fast_unpack_bit_identical_for_every_byte_and_scale(dtype):
   """Every packed byte (two codes) under every scale byte, incl. 0 (2^-127) and 255 (NaN):
-  the same bits as the reference codec, subnormal results flushed to zero."""
+  the same bits as the reference codec, the subnormal float32 results (scale bytes 0 and 1)
+  included: the scale is applied by integer operations on the bits, which XLA does not flush
+  (docs/notes/qat.md)."""
   packed = np.broadcast_to(np.arange(256, dtype=np.uint8), (256, 256))
   packed = np.ascontiguousarray(packed.reshape(256, 16, 16)).reshape(256, 256)   # [256, 256]
   scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 256 * 2 // 32, axis=1)
   want = mx.mxfp4_unpack(packed, scales, np.float32)
-  # XLA flushes float32 subnormals (|v| < 2^-126, scale bytes 0 and 1 only) to ±0.
   tiny = (np.abs(want) < 2.0 ** -126) & (want != 0)
-  assert not tiny[2:].any()
-  want = np.where(tiny, np.copysign(0.0, want), want).astype(np.float32).astype(dtype)
+  assert tiny[:2].any() and not tiny[2:].any()    # subnormals: from scale bytes 0 and 1 only
+  want = want.astype(dtype)
   got = np.asarray(jax.jit(lambda p, s: mx.mxfp4_unpack_fast(p, s, dtype))(packed, scales))
   np.testing.assert_array_equal(got.view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
                                 np.asarray(want).view(np.uint16 if dtype == jnp.bfloat16

@@ -93,11 +93,13 @@ def budget_rewards(rewards, trajs: Sequence[Trajectory], b0, tau
 def run(r: RLRun, config: ModelConfig, variables: dict, *,
         out_dir: str | os.PathLike | None = None,
         log: Callable[[str], None] | None = print,
-        reward_fn: Callable[[Sequence[Trajectory]], np.ndarray] | None = None
-        ) -> tuple[list[dict], TrainState]:
+        reward_fn: Callable[[Sequence[Trajectory]], np.ndarray] | None = None,
+        sampler=None) -> tuple[list[dict], TrainState]:
   """Run rl.rounds agentic rounds from `variables` (module doc) on one device. Returns (per
   round metrics, the final state); with `out_dir`, metrics.jsonl and summary.json there.
   reward_fn: trajectories → rewards [n] (default: 1 for an exact final answer).
+  sampler: an object whose `sample(n)` gives n tool tasks (default: `ToolTaskSampler` over
+  rl.domains × rl.efforts, seeded by run.seed).
 
   Training rows are rl.max_prompt_len + agent.max_tokens tokens wide and read
   agent.max_tokens tokens after each prompt (a bound on any trajectory's continuation)."""
@@ -122,7 +124,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
   b0 = (EffortB0(Engine(config, initial, engine_config(r)), env, r.budget.b0_samples,
                  seed=r.run.seed + 1) if r.budget.enabled else None)
   taus = tau_schedule(r)
-  sampler = ToolTaskSampler(ro.domains, ro.efforts, seed=r.run.seed)
+  if sampler is None:
+    sampler = ToolTaskSampler(ro.domains, ro.efforts, seed=r.run.seed)
   width, resp = ro.max_prompt_len + a.max_tokens, a.max_tokens
   out = pathlib.Path(out_dir) if out_dir is not None else None
   if out is not None:

@@ -42,6 +42,7 @@ from k3jax.posttrain.rl import sandbox
 from k3jax.serve.engine import Engine, RequestParams
 
 FINISHES = ("answer", "turn_limit", "token_limit")
+TOOL_UNAVAILABLE = "error: tool unavailable"   # every call's answer when the tool is withheld
 
 
 @dataclasses.dataclass
@@ -93,15 +94,19 @@ class ReplyTokens:
 class ToolEnv:
   """The environment (module doc). limits: the sandbox's; max_turns: replies per trajectory;
   max_tokens: tokens per trajectory (prompt included; at most the engine's max_len);
-  max_reply_tokens: one reply's cap; tool_chars: a tool message's longest text."""
+  max_reply_tokens: one reply's cap; tool_chars: a tool message's longest text.
+  tool_available: False withholds the tool — every call, well formed or not, is answered with
+  the tool message `TOOL_UNAVAILABLE` and nothing runs (the "without the tool" arm of an
+  evaluation; the prompt still declares the tool)."""
 
   def __init__(self, *, limits: sandbox.Limits = sandbox.Limits(), max_turns: int = 4,
                max_tokens: int = 512, max_reply_tokens: int = 128, tool_chars: int = 400,
-               tokenizer=None):
+               tokenizer=None, tool_available: bool = True):
     if max_turns < 1 or max_tokens < 1 or max_reply_tokens < 1:
       raise ValueError("ToolEnv: max_turns, max_tokens and max_reply_tokens must be >= 1")
     self.limits, self.max_turns, self.max_tokens = limits, max_turns, max_tokens
     self.max_reply_tokens, self.tool_chars = max_reply_tokens, tool_chars
+    self.tool_available = bool(tool_available)
     self.tokenizer = tokenizer or ByteTokenizer()
     self.encoder = ChatEncoder(self.tokenizer)
     self.ids = self.encoder.marker_ids
@@ -160,6 +165,8 @@ class ToolEnv:
 
   def run_call(self, call: chat.ToolCall, traj: Trajectory | None = None) -> str:
     """One tool call's result text (errors as text: the policy reads them)."""
+    if not self.tool_available:
+      return TOOL_UNAVAILABLE
     if call.name != "python":
       return f"error: unknown tool {call.name!r} (available: python)"
     code = call.arguments.get("code")
@@ -278,5 +285,5 @@ def training_rows(trajs: Sequence[Trajectory], width: int, resp_width: int):
   return seqs, plens, mask, blp
 
 
-__all__ = ["FINISHES", "ToolEnv", "Trajectory", "Turn", "ReplyTokens", "rollout",
+__all__ = ["FINISHES", "TOOL_UNAVAILABLE", "ToolEnv", "Trajectory", "Turn", "ReplyTokens", "rollout",
            "training_rows"]
