@@ -19,7 +19,9 @@ Data (`make_data`, by `data.source`): text corpora (k3jax/data/corpus.py); "shap
 image–caption corpus (k3jax/data/captions.py), whose batches carry a `Media` the model places at
 the placeholders, optionally interleaved with text rows (`data.text_fraction`), and whose
 evaluations also log `eval_loss_shuffled` (the held-out captions with each other's images);
-"sft", packed chat conversations trained on their assistant tokens (k3jax/data/sft.py).
+"sft", packed chat conversations trained on their assistant tokens (k3jax/data/sft.py);
+"sft_captions", the image–caption corpus as chat conversations with media (the same loss mask,
+the media placed like "shapes": `sft.MediaSFTIterator`).
 
 Sharding: `train(..., mesh=m)` runs the step sharded over `m` (k3jax/train/sharded.py, which
 places each host batch); without a mesh the step is jitted on one device, the state donated.
