@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from k3jax.data import chat
 from k3jax.data.corpus import pack_windows, restored_step
 from k3jax.data.tokenizers import BOS, EOS, MEDIA, NUM_BYTES, PAD
 from k3jax.vision.media import Media, media_from_pixels, stack_media
@@ -208,7 +209,8 @@ class Encoded:
 
   @property
   def num_patches(self) -> int:
-    return int(np.prod(self.grid))
+    """Patches of its media: grid is one sample's (t, h, w) or [n, 3] for n images."""
+    return int(np.prod(np.reshape(self.grid, (-1, 3)), axis=1).sum())
 
 
 def encode(vision_config, caption_sample: Sample, media_sample: Sample | None = None
@@ -251,8 +253,9 @@ def pack_rows(vision_config, rows: Sequence[Sequence[Encoded] | dict], seq_len: 
             "segment_ids": len(row) + 1}
     for k in keys:
       out[k].append(np.concatenate([cat[k], np.full(pad, fill[k], cat[k].dtype)]))
-    streams.append(media_from_pixels(vision_config, np.concatenate([e.pixel_values for e in row]),
-                                     np.stack([e.grid for e in row]), length=length))
+    streams.append(media_from_pixels(
+        vision_config, np.concatenate([e.pixel_values for e in row]),
+        np.concatenate([np.reshape(e.grid, (-1, 3)) for e in row]), length=length))
   batch = {k: np.stack(v).astype(np.float32 if k.endswith("mask") else np.int32)
            for k, v in out.items()}
   batch["media"] = stack_media(streams)
@@ -347,6 +350,20 @@ class ShapesIterator:
     self.step = restored_step(state, self.fingerprint(), self.seed)
 
 
+# ---------------------------------------------------------------------- chat form
+DESCRIBE = "Describe the image."
+
+
+def chat_form(s: Sample, question: str = DESCRIBE) -> tuple:
+  """A sample as a chat conversation (SFT data, k3jax/data/sft.py `MediaSFTIterator`):
+  user = the image (a clip: its frames) then `question`; assistant = the caption (instruct
+  mode: the response channel). Returns (Conversation, {0: (media,)}), media [H, W, 3] uint8
+  or, for a clip, [t, H, W, 3]."""
+  conv = chat.Conversation((chat.Message("user", question), chat.Message("assistant",
+                                                                          s.caption)))
+  return conv, {0: (s.frames if s.kind == "clip" else s.frames[0],)}
+
+
 def eval_samples(seed: int, num: int) -> list[Sample]:
   """The first `num` samples of the held-out split."""
   return [sample(seed, EVAL, i) for i in range(num)]
@@ -375,4 +392,5 @@ def eval_batches(vision_config, samples: Sequence[Sample], batch_size: int, seq_
 
 __all__ = ["COLOURS", "SHAPES", "KINDS", "Sample", "render", "sample", "is_text",
            "sample_tokens", "sample_arrays", "pixels", "empty_stream", "encode", "pack_rows",
-           "fill_rows", "ShapesIterator", "eval_samples", "eval_batches"]
+           "fill_rows", "ShapesIterator", "eval_samples", "eval_batches", "chat_form",
+           "DESCRIBE"]

@@ -433,3 +433,156 @@ def training_data(train: Sequence[chat.Conversation], held: Sequence[chat.Conver
   return it, evals
 
 
+
+
+# ---------------------------------------------------------------------- media conversations
+# Conversations with images (K3 §11 media in the chat format): the images of message i (each
+# [H, W, 3] uint8, or [t, H, W, 3] a clip) put (h/2)(w/2) media placeholders right after
+# that message's `[sep]`, before its text, in order (k3jax/data/chat_tokens.py); the row's
+# media stream holds their patches in the same order, so placeholders and merged vision
+# tokens line up (k3jax/vision/media.py `place_media`). The loss mask is `assistant_mask`'s:
+# placeholders, like every user and tool token, carry none.
+def media_pixels(vision_config, images) -> tuple[np.ndarray, np.ndarray, list[int]]:
+  """(pixel_values [Σ t·h·w, 3, p, p], grid [n, 3], merged tokens per image) of `images`
+  (each [H, W, 3] or [t, H, W, 3] uint8) by `k3jax.vision.preprocess`."""
+  from PIL import Image
+  from k3jax.vision.preprocess import preprocess
+  items = []
+  for k, im in enumerate(images):
+    a = np.asarray(im)
+    if a.dtype != np.uint8 or a.ndim not in (3, 4) or a.shape[-1] != 3:
+      raise ValueError(f"images[{k}]: expected uint8 [H, W, 3] or [t, H, W, 3], found "
+                       f"{a.dtype} {a.shape}")
+    items.append([Image.fromarray(f) for f in a] if a.ndim == 4 else Image.fromarray(a))
+  pv, grid = preprocess(vision_config, items)
+  grid = np.asarray(grid, np.int32).reshape(-1, 3)
+  return pv, grid, [int(g[1] // 2 * (g[2] // 2)) for g in grid]
+
+
+def encode_media(vision_config, conv: chat.Conversation, images,
+                 media_id: int = tokenizers.MEDIA, bos: bool = True):
+  """A conversation and its images ({message index: (image, …)}) → `captions.Encoded` (the
+  positions of [BOS] (with `bos`) + blocks, loss on the assistant tokens, and the media) for
+  `captions.pack_rows`."""
+  from k3jax.data import captions
+  order = sorted(images)
+  bad = [i for i in order if not 0 <= i < len(conv.messages)]
+  if bad:
+    raise ValueError(f"images: message indices {bad} out of range [0, {len(conv.messages)})")
+  flat = [im for i in order for im in images[i]]
+  if not flat:
+    raise ValueError("images: a media conversation needs at least one image")
+  pv, grid, merged = media_pixels(vision_config, flat)
+  counts, k = {}, 0
+  for i in order:
+    counts[i] = merged[k:k + len(images[i])]
+    k += len(images[i])
+  ids = ChatEncoder(tokenizers.ByteTokenizer(), media_id=media_id).encode(
+      conv, media=counts, bos=bos).ids
+  mask = assistant_mask(ids)
+  nxt = np.concatenate([ids[2:], [tokenizers.PAD]]).astype(np.int32)
+  arrays = dict(inputs=ids[:-1], targets=ids[1:], mtp_targets=nxt,
+                loss_mask=mask[1:].astype(np.float32),
+                mtp_mask=np.concatenate([mask[2:], [False]]).astype(np.float32))
+  return captions.Encoded(arrays, pv, grid)
+
+
+class MediaSFTIterator:
+  """Checkpointable SFT batches of media conversations drawn from a generator.
+
+  `make(rng)` → (Conversation, images) (encoded with [BOS] when `bos`); row b of step s packs the conversations drawn from
+  `default_rng([seed, 0, s, b])` until the next would not fit `seq_len` tokens or `length`
+  patches (as `captions.ShapesIterator`): a batch is a pure function of (seed, step), and
+  the iterator state is the step. Batches: `captions.pack_rows` (a `Media` of B streams)."""
+
+  def __init__(self, vision_config, make, batch_size: int, seq_len: int, length: int,
+               seed: int = 0, name: str = "sft_media", bos: bool = True):
+    if length not in vision_config.pack_buckets:
+      raise ValueError(f"data.media_length: expected one of the vision config's pack_buckets "
+                       f"{vision_config.pack_buckets}, found {length}")
+    if batch_size <= 0:
+      raise ValueError(f"train.batch_size: expected > 0, found {batch_size}")
+    self.vision_config, self.make, self.batch_size = vision_config, make, batch_size
+    self.seq_len, self.length, self.seed, self.name, self.step = seq_len, length, seed, name, 0
+    self.bos = bos
+
+  def seq_len_at(self, step: int) -> int:
+    del step
+    return self.seq_len
+
+  def batch(self, step: int) -> dict:
+    from k3jax.data import captions
+    rows = []
+    for b in range(self.batch_size):
+      rng = np.random.default_rng([self.seed, 0, step, b])
+      row, n, p = [], 0, 0
+      while True:
+        e = encode_media(self.vision_config, *self.make(rng), bos=self.bos)
+        if n + e.num_tokens > self.seq_len or p + e.num_patches > self.length:
+          if not row:
+            raise ValueError(f"a conversation of {e.num_tokens} tokens / {e.num_patches} "
+                             f"patches does not fit train.seq_len={self.seq_len} / "
+                             f"data.media_length={self.length}")
+          break
+        row.append(e)
+        n, p = n + e.num_tokens, p + e.num_patches
+      rows.append(row)
+    return captions.pack_rows(self.vision_config, rows, self.seq_len, self.length)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    out = self.batch(self.step)
+    self.step += 1
+    return out
+
+  def fingerprint(self) -> dict:
+    return {"source": self.name, "seq_len": self.seq_len, "media_length": self.length}
+
+  def get_state(self) -> dict:
+    return {"step": self.step, "seed": self.seed, "data": self.fingerprint()}
+
+  def set_state(self, state: dict) -> None:
+    self.step = corpus.restored_step(state, self.fingerprint(), self.seed)
+
+
+def media_eval_batches(vision_config, items, batch_size: int, seq_len: int, length: int,
+                       bos: bool = True) -> list[dict]:
+  """Held-out (Conversation, images) items packed in order into batches (the last completed
+  with copies of its first row, their masks zero)."""
+  from k3jax.data import captions
+  rows = captions.fill_rows([encode_media(vision_config, c, im, bos=bos) for c, im in items],
+                            seq_len, length)
+  out = []
+  for s in range(0, len(rows), batch_size):
+    part = rows[s:s + batch_size]
+    real = len(part)
+    batch = captions.pack_rows(vision_config, part + [part[0]] * (batch_size - real), seq_len,
+                               length)
+    batch["loss_mask"][real:] = 0
+    batch["mtp_mask"][real:] = 0
+    out.append(batch)
+  return out
+
+
+def caption_chats(rng: np.random.Generator):
+  """One shapes-corpus sample in chat form (`captions.chat_form`)."""
+  from k3jax.data import captions
+  return captions.chat_form(captions.render(rng))
+
+
+def caption_training_data(vision_config, batch_size: int, seq_len: int, length: int,
+                          seed: int, num_eval_batches: int):
+  """data.source="sft_captions": (train `MediaSFTIterator` of the caption corpus in chat
+  form, held-out eval batches of its EVAL split)."""
+  from k3jax.data import captions
+  it = MediaSFTIterator(vision_config, caption_chats, batch_size, seq_len, length, seed,
+                        name="sft_captions")
+  evals = []
+  if num_eval_batches:
+    n = max(1, num_eval_batches * batch_size * seq_len // 80)
+    items = [captions.chat_form(s) for s in captions.eval_samples(seed, n)]
+    evals = media_eval_batches(vision_config, items, batch_size, seq_len, length)
+    evals = evals[:num_eval_batches]
+  return it, evals

@@ -260,7 +260,8 @@ class BalanceConfig:
 class DataConfig:
   """`source`: "stdlib" (this Python's standard library), a path (.txt / .jsonl / .npy /
   .array_record, a directory or a glob: k3jax/data/corpus.py), "shapes" (the image–caption
-  corpus: k3jax/data/captions.py) or "sft" (chat conversations: k3jax/data/sft.py)."""
+  corpus: k3jax/data/captions.py), "sft" (chat conversations: k3jax/data/sft.py) or
+  "sft_captions" (the shapes corpus as chat conversations with media, loss on the captions)."""
   source: str = "stdlib"
   eval_percent: float = 2.0
   # "shapes": text windows of text_source interleaved at text_fraction; media_length patches

@@ -19,7 +19,9 @@ Data (`make_data`, by `data.source`): text corpora (k3jax/data/corpus.py); "shap
 image–caption corpus (k3jax/data/captions.py), whose batches carry a `Media` the model places at
 the placeholders, optionally interleaved with text rows (`data.text_fraction`), and whose
 evaluations also log `eval_loss_shuffled` (the held-out captions with each other's images);
-"sft", packed chat conversations trained on their assistant tokens (k3jax/data/sft.py).
+"sft", packed chat conversations trained on their assistant tokens (k3jax/data/sft.py);
+"sft_captions", the image–caption corpus as chat conversations with media (the same loss mask,
+the media placed like "shapes": `sft.MediaSFTIterator`).
 
 Sharding: `train(..., mesh=m)` runs the step sharded over `m` (k3jax/train/sharded.py, which
 places each host batch); without a mesh the step is jitted on one device, the state donated.
@@ -107,6 +109,7 @@ def init_from(path: str, config: ModelConfig, variables: dict) -> dict:
 # ---------------------------------------------------------------------- data
 SHAPES = "shapes"
 SFT = "sft"
+SFT_CAPTIONS = "sft_captions"
 
 
 def make_data(run: RunConfig, config: ModelConfig):
@@ -126,6 +129,14 @@ def make_data(run: RunConfig, config: ModelConfig):
     train_convs, held = sft.conversations(d.sft_file, d.eval_percent, run.seed,
                                           d.sft_num_train, d.sft_num_eval)
     it, evals = sft.training_data(train_convs, held, t.seq_len, t.batch_size, run.seed, n_eval)
+    return it, evals, []
+  if d.source == SFT_CAPTIONS:    # the shapes corpus in chat form (k3jax/data/sft.py)
+    if config.vision is None or staged:
+      raise ValueError("config.data.source='sft_captions': needs model.vision and no "
+                       "train.curriculum / train.stages")
+    length = d.media_length or config.vision.pack_buckets[-1]
+    it, evals = sft.caption_training_data(config.vision, t.batch_size, t.seq_len, length,
+                                          run.seed, n_eval)
     return it, evals, []
   if d.source != SHAPES:
     corpus = corpus_lib.load_corpus(d.source, d.eval_percent, config.text.vocab_size)

@@ -10,12 +10,19 @@ trajectories of a task; one step of `make_rl_step` on the policy's own tokens
 engine's log-probs as the behaviour log-probs. The engine then serves the updated weights
 (`Engine.set_variables`, which also drops the cache: its states were the old weights').
 
+<<<<<<< HEAD
 Effort budget (`budget.enabled`; K3 §13): T(y) = `Trajectory.effort_tokens(agentic=True)` —
 the thinking tokens plus every tool call's argument tokens; b₀(x) = the mean T of
 `budget.b0_samples` trajectories of the *initial* policy on task x (`EffortB0`: rolled out
 through a second engine that keeps serving the initial weights, once per task, in the round
 the task is first trained); τ_d(r) per domain, annealed as in the single-turn loop
 (`loop.tau_schedule`); the reward becomes −1 when T(y) > τ·b₀(x) (`budget_rewards`).
+=======
+Visual tasks (rl.domains = ("crop",), k3jax/data/visual_tasks.py; a multimodal policy): the
+environment offers the `crop` tool instead of python, each request carries the trajectory's
+images (the overview, then every crop) as a media stream, and so does each training row
+(`ToolEnv.batch_media`): the update sees the images the rollout saw.
+>>>>>>> mm
 
 Sampling is at temperature 1: the engine's log-probs are those of the model's own
 distribution, which is then the sampling distribution, so behaviour = trainer log-probs up to
@@ -35,11 +42,17 @@ import numpy as np
 
 from k3jax.config import ModelConfig
 from k3jax.data.tokenizers import CHAT_END
+from k3jax.data import visual_tasks
 from k3jax.data.tool_tasks import ToolTaskSampler, is_correct
 from k3jax.posttrain.rl import logprobs as lp_lib
 from k3jax.posttrain.rl import sandbox
+<<<<<<< HEAD
 from k3jax.posttrain.rl.env import ToolEnv, Trajectory, rollout, training_rows
 from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, tau_schedule, write_json
+=======
+from k3jax.posttrain.rl.env import FINISHES, ToolEnv, Trajectory, rollout, training_rows
+from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, write_json
+>>>>>>> mm
 from k3jax.posttrain.rl.losses import group_advantages
 from k3jax.posttrain.rl.rewards import apply_budget, budget_violations
 from k3jax.posttrain.rl.update import make_rl_step
@@ -116,16 +129,29 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
   tx, _ = optimizer(r.run, config)
   state = init_state(jax.tree.map(jnp.array, variables), PRETRAIN, tx)
   step_fn = make_rl_step(config, tx, lcfg, temperature=1.0, qk_clip_tau=r.run.optim.qk_clip_tau)
+  visual = any(d in visual_tasks.DOMAINS for d in ro.domains)
+  if visual and (not all(d in visual_tasks.DOMAINS for d in ro.domains)
+                 or config.vision is None or lcfg.kl_coef > 0):
+    raise ValueError(f"rl.domains={tuple(ro.domains)}: visual tasks need a multimodal policy "
+                     f"(model.vision), no text-tool domain beside them and loss.kl_coef = 0")
+  media = (dict(tools=("crop",), vision_config=config.vision,
+                media_id=config.media_placeholder_token_id) if visual else {})
   env = ToolEnv(limits=sandbox.Limits(cpu_seconds=a.tool_cpu_seconds,
                                       wall_seconds=a.tool_wall_seconds),
                 max_turns=a.max_turns, max_tokens=a.max_tokens,
-                max_reply_tokens=a.max_reply_tokens)
+                max_reply_tokens=a.max_reply_tokens, **media)
   engine = Engine(config, jax.tree.map(jnp.array, state.variables), engine_config(r))
+<<<<<<< HEAD
   b0 = (EffortB0(Engine(config, initial, engine_config(r)), env, r.budget.b0_samples,
                  seed=r.run.seed + 1) if r.budget.enabled else None)
   taus = tau_schedule(r)
   if sampler is None:
     sampler = ToolTaskSampler(ro.domains, ro.efforts, seed=r.run.seed)
+=======
+  sampler = (visual_tasks.VisualTaskSampler if visual else ToolTaskSampler)(
+      ro.domains, ro.efforts, seed=r.run.seed)
+  verify = visual_tasks.is_correct if visual else is_correct
+>>>>>>> mm
   width, resp = ro.max_prompt_len + a.max_tokens, a.max_tokens
   out = pathlib.Path(out_dir) if out_dir is not None else None
   if out is not None:
@@ -141,7 +167,7 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     t0 = time.perf_counter()
     trajs = rollout(engine, tasks, env, temperature=1.0, seed=r.run.seed * 7919 + rnd)
     rollout_s = time.perf_counter() - t0
-    rewards = (np.array([float(is_correct(t.task, t.response)) for t in trajs], np.float32)
+    rewards = (np.array([float(verify(t.task, t.response)) for t in trajs], np.float32)
                if reward_fn is None else np.asarray(reward_fn(trajs), np.float32))
     accuracy = rewards
     effort = np.array([t.effort_tokens(agentic=True) for t in trajs], np.float64)
@@ -163,6 +189,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     batch = {"seqs": seqs, "prompt_lens": plens, "mask": mask, "behaviour_lp": blp,
              "adv": adv, "teacher_lp": np.zeros((rows, resp), np.float32),
              "has_teacher": np.zeros(rows, bool), "ref_lp": ref}
+    if visual:
+      batch["media"] = env.batch_media(trajs)
     t0 = time.perf_counter()
     state, met = step_fn(state, jax.tree.map(jnp.asarray, batch))
     lp = np.asarray(met["rows"]["lp"])
@@ -173,8 +201,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
          "accuracy": float(accuracy.mean()),
          "turns": float(np.mean([len(t.turns) for t in trajs])),
          "tool_calls": int(sum(len(t.results) for t in trajs)),
-         "finish": {f: sum(t.finish == f for t in trajs) for f in ("answer", "turn_limit",
-                                                                  "token_limit")},
+         "finish": {f: sum(t.finish == f for t in trajs) for f in FINISHES
+                    if f != "media_token" or visual},
          "policy_tokens": int(mask.sum()),
          "effort_tokens": float(effort.mean()), **budget,
          "cached_fraction_later_turns": (sum(t.cached for t in later)

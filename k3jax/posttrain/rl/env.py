@@ -24,6 +24,16 @@ log_softmax(logits)[y] of the model's own distribution — the temperature-1 sam
 distribution, which is what RL samples from, so they equal the trainer's
 (`logprobs.token_logprobs`) on the same sequence.
 
+Media (the visual tool task, k3jax/data/visual_tasks.py): `ToolEnv(tools=("crop",),
+vision_config=…, media_id=…)`. A trajectory's `images` are the images of its placeholders in
+order (the task's prompt images first); a `crop` call {"cell": "B3"} answers with a tool
+message whose media block is that cell of the task's full image (`[open]tool[sep]` the
+crop's placeholders, then "cell B3"); the image joins `images` when the message joins the
+tokens. Every request carries the trajectory's images as one media stream of
+`media_length` patches (`media`), with a digest per placeholder as its prefix-cache key, so a
+later turn resumes from the cache like a text one. `withheld` tools are answered with a tool
+error ("error: the crop tool is unavailable"): the figure's tool-withheld condition.
+
 Effort (the report's T(y)): `effort_tokens` = thinking tokens (text in `think` channels),
 plus, for agentic tasks, the tokens of every tool call's arguments (their canonical JSON).
 """
@@ -31,6 +41,7 @@ plus, for agentic tasks, the tokens of every tool call's arguments (their canoni
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Sequence
 
 import numpy as np
@@ -41,8 +52,9 @@ from k3jax.data.tokenizers import ByteTokenizer
 from k3jax.posttrain.rl import sandbox
 from k3jax.serve.engine import Engine, RequestParams
 
-FINISHES = ("answer", "turn_limit", "token_limit")
-TOOL_UNAVAILABLE = "error: tool unavailable"   # every call's answer when the tool is withheld
+FINISHES = ("answer", "turn_limit", "token_limit", "media_token")
+TOOLS = ("python", "crop")
+TOOL_UNAVAILABLE = "error: tool unavailable"   # every call's answer when no tool is available
 
 
 @dataclasses.dataclass
@@ -69,6 +81,7 @@ class Trajectory:
   response: str | None = None
   thinking_tokens: int = 0
   argument_tokens: int = 0
+  images: list = dataclasses.field(default_factory=list)   # of the placeholders, in order
 
   def append(self, ids: Sequence[int], policy: bool, logprobs: Sequence[float] = ()):
     ids = [int(i) for i in ids]
@@ -97,18 +110,33 @@ class ToolEnv:
   max_reply_tokens: one reply's cap; tool_chars: a tool message's longest text.
   tool_available: False withholds the tool — every call, well formed or not, is answered with
   the tool message `TOOL_UNAVAILABLE` and nothing runs (the "without the tool" arm of an
-  evaluation; the prompt still declares the tool)."""
+  evaluation; the prompt still declares the tool); tools: the tools offered (`TOOLS`);
+  withheld: offered tools answered "error: the <name> tool is unavailable"; vision_config,
+  media_id, media_length: a multimodal policy's tower, placeholder id and stream length
+  (needed by `crop`)."""
 
   def __init__(self, *, limits: sandbox.Limits = sandbox.Limits(), max_turns: int = 4,
                max_tokens: int = 512, max_reply_tokens: int = 128, tool_chars: int = 400,
-               tokenizer=None, tool_available: bool = True):
+               tokenizer=None, tools: Sequence[str] = ("python",),
+               withheld: Sequence[str] = (), vision_config=None, media_id: int | None = None,
+               media_length: int | None = None, tool_available: bool = True):
     if max_turns < 1 or max_tokens < 1 or max_reply_tokens < 1:
       raise ValueError("ToolEnv: max_turns, max_tokens and max_reply_tokens must be >= 1")
+    bad = [t for t in tuple(tools) + tuple(withheld) if t not in TOOLS]
+    if bad or not tools:
+      raise ValueError(f"ToolEnv.tools / withheld: names from {TOOLS}, found {bad or tools}")
+    if "crop" in tools and (vision_config is None or media_id is None):
+      raise ValueError("ToolEnv(tools=('crop',)): needs vision_config and media_id (a "
+                       "multimodal model's tower and placeholder id)")
     self.limits, self.max_turns, self.max_tokens = limits, max_turns, max_tokens
     self.max_reply_tokens, self.tool_chars = max_reply_tokens, tool_chars
+    self.tools, self.withheld = tuple(tools), tuple(withheld)
     self.tool_available = bool(tool_available)
+    self.vision_config, self.media_id = vision_config, media_id
+    self.media_length = media_length or (vision_config.pack_buckets[0] if vision_config
+                                         else None)
     self.tokenizer = tokenizer or ByteTokenizer()
-    self.encoder = ChatEncoder(self.tokenizer)
+    self.encoder = ChatEncoder(self.tokenizer, media_id=media_id)
     self.ids = self.encoder.marker_ids
     self.names = {v: k for k, v in self.ids.items()}
     self.opening = self.encoder.reply_opening("thinking")
@@ -160,15 +188,69 @@ class ToolEnv:
       return ReplyTokens(None, str(e), counts, closing)
 
   # ---------------------------------------------------------------- the environment's turn
-  def _tool_message(self, text: str) -> list[int]:
-    return self.encoder.segments(chat.message_segments(chat.Message("tool", text)))
+  def _tool_message(self, text: str, images: Sequence = ()) -> list[int]:
+    counts = self.media_pixels(images)[2] if images else ()
+    return self.encoder.segments(chat.message_segments(chat.Message("tool", text)), counts)
+
+  def media_pixels(self, images: Sequence):
+    """(pixel_values, grid [n, 3], merged tokens per image) of images, by the tower's
+    preprocessing (k3jax/data/sft.py `media_pixels`)."""
+    from k3jax.data.sft import media_pixels
+    return media_pixels(self.vision_config, images)
+
+  def media(self, traj: Trajectory):
+    """(Media of one stream of `media_length` patches, a key per placeholder) of the
+    trajectory's images; (None, None) without images."""
+    if not traj.images:
+      return None, None
+    from k3jax.vision.media import media_from_pixels
+    pv, grid, merged = self.media_pixels(traj.images)
+    keys = []
+    for im, n in zip(traj.images, merged):
+      digest = hashlib.blake2b(np.ascontiguousarray(im).tobytes(), digest_size=8).digest()
+      keys += [int.from_bytes(digest, "little", signed=True)] * n
+    return media_from_pixels(self.vision_config, pv, grid, length=self.media_length), keys
+
+  def batch_media(self, trajs: Sequence[Trajectory]):
+    """The training rows' media: stream b = trajectory b's images (an empty stream when it
+    has none), all of `media_length` patches."""
+    from k3jax.data.captions import empty_stream
+    from k3jax.vision.media import stack_media
+    return stack_media([self.media(t)[0] if t.images else
+                        empty_stream(self.vision_config, self.media_length) for t in trajs])
+
+  def run_tool(self, call: chat.ToolCall, traj: Trajectory | None = None
+               ) -> tuple[str, tuple]:
+    """One tool call's (result text, images) (errors as text: the policy reads them).
+    `tool_available=False`: no tool at all, every call (whatever its name) is answered
+    TOOL_UNAVAILABLE; `withheld`: the named tools answer that they are unavailable."""
+    if not self.tool_available:
+      return TOOL_UNAVAILABLE, ()
+    if call.name not in self.tools:
+      return (f"error: unknown tool {call.name!r} (available: {', '.join(self.tools)})", ())
+    if call.name in self.withheld:
+      return f"error: the {call.name} tool is unavailable", ()
+    if call.name == "crop":
+      from k3jax.data import visual_tasks
+      image = getattr(getattr(traj, "task", None), "image", None)
+      if image is None:
+        return "error: crop: this task has no image to crop", ()
+      try:
+        if set(call.arguments) != {"cell"}:
+          raise ValueError('crop takes {"cell": "<A1-D4>"}')
+        cell = call.arguments["cell"]
+        out = visual_tasks.crop(image, cell)
+      except ValueError as e:
+        return f"error: {e}", ()
+      return visual_tasks.tool_text(cell), (out,)
+    return self.run_call(call, traj), ()
 
   def run_call(self, call: chat.ToolCall, traj: Trajectory | None = None) -> str:
-    """One tool call's result text (errors as text: the policy reads them)."""
+    """One python call's result text (errors as text: the policy reads them)."""
     if not self.tool_available:
       return TOOL_UNAVAILABLE
-    if call.name != "python":
-      return f"error: unknown tool {call.name!r} (available: python)"
+    if call.name != "python" or "python" not in self.tools:
+      return self.run_tool(call, traj)[0]
     code = call.arguments.get("code")
     if set(call.arguments) != {"code"} or not isinstance(code, str):
       return 'error: python takes {"code": "<python source>"}'
@@ -181,6 +263,13 @@ class ToolEnv:
                   finish_reason: str, cached: int, prompt_len: int) -> list[int] | None:
     """Record a reply and act on it (module doc): the next request's prompt, or None when
     the trajectory has ended (`traj.finish` set)."""
+    if self.media_id is not None and self.media_id in reply:
+      # A sampled media placeholder has no image behind it: the reply is kept up to it (each
+      # kept token's log-prob is still its own) and the trajectory ends (module doc).
+      cut = list(reply).index(self.media_id)
+      traj.turns.append(Turn(prompt_len, cached, list(reply[:cut]), finish_reason))
+      traj.append(reply[:cut], True, logprobs[:cut])
+      return self._end(traj, "media_token")
     traj.turns.append(Turn(prompt_len, cached, list(reply), finish_reason))
     traj.append(reply, True, logprobs)
     read = self.read_reply(reply)
@@ -189,22 +278,24 @@ class ToolEnv:
     msg = read.message
     notes = []
     if read.closing:
-      notes.append(f"error: the reply was cut at {len(reply)} tokens")
+      notes.append((f"error: the reply was cut at {len(reply)} tokens", ()))
     elif msg is None:
-      notes.append(f"error: the reply does not parse: {read.error}")
+      notes.append((f"error: the reply does not parse: {read.error}", ()))
     elif not msg.tool_calls:
       traj.response = msg.content
       return self._end(traj, "answer")
     if msg is not None and msg.tool_calls:
       for call in msg.tool_calls:
         traj.argument_tokens += len(self.encoder.text(chat.canonical_json(call.arguments)))
-        notes.append(self.run_call(call, traj))
+        notes.append(self.run_tool(call, traj))
     if len(traj.turns) >= self.max_turns:
       return self._end(traj, "turn_limit")
-    more = [i for text in notes for i in self._tool_message(text)] + list(self.opening)
+    more = [i for text, ims in notes for i in self._tool_message(text, ims)] + list(
+        self.opening)
     if len(traj.tokens) + len(more) + 1 > self.max_tokens:
       return self._end(traj, "token_limit")
     traj.append(more, False)
+    traj.images += [im for _, ims in notes for im in ims]
     return list(traj.tokens)
 
   @staticmethod
@@ -231,7 +322,8 @@ def rollout(engine: Engine, tasks: Sequence, env: ToolEnv, *, temperature: float
   if engine.ec.max_len < env.max_tokens:
     raise ValueError(f"env.max_tokens={env.max_tokens} exceeds the engine's max_len="
                      f"{engine.ec.max_len}")
-  trajs = [Trajectory(t, list(t.tokens), len(t.tokens)) for t in tasks]
+  trajs = [Trajectory(t, list(t.tokens), len(t.tokens), images=list(getattr(t, "images", ())))
+           for t in tasks]
   active: dict[str, tuple[int, int]] = {}
 
   def submit(i: int):
@@ -243,7 +335,9 @@ def rollout(engine: Engine, tasks: Sequence, env: ToolEnv, *, temperature: float
     s = (seed * 1_000_003 + i * 7919 + len(traj.turns) * 104_729) % 2 ** 32
     params = RequestParams(max_tokens=cap, temperature=temperature, seed=s, stop_tokens=(end,),
                            include_stop=True)
-    active[engine.submit(traj.tokens, params)] = (i, len(traj.tokens))
+    media, keys = env.media(traj)
+    active[engine.submit(traj.tokens, params, media=media, media_keys=keys)] = (
+        i, len(traj.tokens))
 
   for i in range(len(trajs)):
     submit(i)
@@ -285,5 +379,5 @@ def training_rows(trajs: Sequence[Trajectory], width: int, resp_width: int):
   return seqs, plens, mask, blp
 
 
-__all__ = ["FINISHES", "TOOL_UNAVAILABLE", "ToolEnv", "Trajectory", "Turn", "ReplyTokens", "rollout",
-           "training_rows"]
+__all__ = ["FINISHES", "TOOLS", "TOOL_UNAVAILABLE", "ToolEnv", "Trajectory", "Turn", "ReplyTokens",
+           "rollout", "training_rows"]

@@ -39,7 +39,7 @@ import numpy as np
 
 from k3jax import sharding
 from k3jax.config import ModelConfig
-from k3jax.data import tool_tasks
+from k3jax.data import tool_tasks, visual_tasks
 from k3jax.data.rl_tasks import DOMAINS as RL_DOMAINS
 from k3jax.data.rl_tasks import STOP_TOKEN, Task, TaskSampler, read_reply
 from k3jax.posttrain.rl import logprobs as lp_lib
@@ -146,7 +146,7 @@ class RLRun:
   agent: AgentConfig = AgentConfig()
 
   def __post_init__(self):
-    known = tool_tasks.DOMAINS if self.agent.enabled else RL_DOMAINS
+    known = (tool_tasks.DOMAINS + visual_tasks.DOMAINS) if self.agent.enabled else RL_DOMAINS
     unknown = [d for d in self.rl.domains if d not in known]
     _need(not unknown, "rl.domains", f"unknown domain(s) {unknown} for "
           f"{'agentic' if self.agent.enabled else 'single-turn'} rounds (domains: {known})")
@@ -189,7 +189,9 @@ def tau_schedule(r: RLRun) -> TauSchedule:
   b = r.budget
 
   def per_domain(v):
-    return dict(v) if hasattr(v, "keys") else {d: v for d in r.rl.domains}
+    # The visual domain has no effort budget (its T(y) is not wired: budget.enabled False).
+    return dict(v) if hasattr(v, "keys") else {d: v for d in r.rl.domains
+                                               if d not in visual_tasks.DOMAINS}
 
   return TauSchedule(per_domain(b.tau_start), per_domain(b.tau_end),
                      per_domain(b.anneal_rounds))

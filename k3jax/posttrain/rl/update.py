@@ -5,7 +5,8 @@ statistics) and QK-Clip, every weight trainable (`k3jax.train.sharded.PRETRAIN`)
 
 rl_step(state, batch) → (state, metrics); batch (numpy or jax):
   seqs [B,W] int (prompt + response, right-padded), prompt_lens [B], mask [B,L],
-  behaviour_lp [B,L], adv [B], teacher_lp [B,L], has_teacher [B], ref_lp [B,L].
+  behaviour_lp [B,L], adv [B], teacher_lp [B,L], has_teacher [B], ref_lp [B,L]; optional
+  media (a `Media` of B streams: row b's images, for a multimodal policy).
 metrics carry rows["lp"] [B,L], the trainer's log-probs before the update (for the mismatch
 metric), and the loss's mopd, clip_frac and kl.
 """
@@ -36,7 +37,8 @@ def rl_loss(config: ModelConfig, loss_cfg: LossConfig, temperature: float = 1.0)
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
       raise ValueError(f"rl batch: missing {missing}")
-    logits, mut = model.apply(variables, batch["seqs"], mutable=["stats"])
+    logits, mut = model.apply(variables, batch["seqs"], mutable=["stats"],
+                              media=batch.get("media"))
     lp = response_logprobs(logits, batch["seqs"], batch["prompt_lens"],
                            batch["mask"].shape[1], temperature)
     loss, aux = policy_loss(lp, batch, loss_cfg)
