@@ -350,9 +350,16 @@ def stage_config(name: str, num_layers: int | None = None, *, modes: dict | None
 
   if name not in STAGES:
     raise ValueError(f"--stage: expected one of {list(STAGES)}, found {name!r}")
+  from k3jax.config import RunModes
   cfg = k3_config.get_config()
   if num_layers:
     cfg.model.num_layers = num_layers
+  run_modes = {f.name for f in dc.fields(RunModes)}
+  modes = dict(modes or {})
+  for k in [k for k in modes if k not in run_modes]:   # the model's own fields (an attempt
+    if k not in cfg.model:                              # without the MTP layer, …)
+      raise ValueError(f"--stage_modes: unknown model field {k!r}")
+    cfg.model[k] = modes.pop(k)
   run = run_config(cfg)
   st = next(x for x in run.train.stages if x.seq_len == STAGES[name])
   srun = stages_lib.stage_run(run, st)
@@ -411,6 +418,7 @@ def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
   variables = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            shapes, p_sh)
   cache = jax.eval_shape(lambda: generate.init_cache(config, batch, max_len))
+  per_request = _cache_bytes_per_request(config, max_len)
   c_sh = sharding.cache_shardings(mesh, cache, batch)
   cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        cache, c_sh)
@@ -446,7 +454,37 @@ def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
       cache_gib_per_device=_shard_gib(cache, c_sh),
       argument_gib=ma.argument_size_in_bytes / gib, output_gib=ma.output_size_in_bytes / gib,
       alias_gib=ma.alias_size_in_bytes / gib, temp_gib=ma.temp_size_in_bytes / gib,
-      peak_gib=peak / gib, fits=peak / gib <= V5P_HBM_GIB, lower_s=t1 - t0, compile_s=t2 - t1)
+      peak_gib=peak / gib, fits=peak / gib <= V5P_HBM_GIB, lower_s=t1 - t0, compile_s=t2 - t1,
+      # The cache from its shapes (one request), and what the compiled arguments hold beyond
+      # the weights (the cache shard and the tokens): the two must agree.
+      **per_request,
+      requests_per_device=batch / max(1, sharding.axis_size(mesh, sharding.BATCH_AXES))
+      if batch % sharding.axis_size(mesh, sharding.BATCH_AXES) == 0 else batch,
+      arguments_beyond_weights_gib=ma.argument_size_in_bytes / gib - _shard_gib(shapes, p_sh))
+
+
+def _cache_bytes_per_request(config, max_len: int) -> dict:
+  """Bytes of one request's decode cache at `max_len` tokens, from the cache's shapes
+  (`generate.init_cache(config, 1, max_len)`): MLA latents (kv_lora_rank + rope numbers a
+  token and MLA layer), KDA states and conv tails (fixed), and the rest."""
+  import jax
+
+  from k3jax.serve import generate
+  cache = jax.eval_shape(lambda: generate.init_cache(config, 1, max_len))
+  mla = kda = other = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(cache):
+    name, nbytes = jax.tree_util.keystr(path), x.size * x.dtype.itemsize
+    if "c_kv" in name or "k_rope" in name:
+      mla += nbytes
+    elif max_len not in x.shape and x.ndim >= 2:
+      kda += nbytes
+    else:
+      other += nbytes
+  t = config.text
+  return dict(cache_bytes_per_request=mla + kda + other, mla_cache_bytes_per_request=mla,
+              kda_cache_bytes_per_request=kda, other_cache_bytes_per_request=other,
+              mla_numbers_per_token_per_layer=t.kv_lora_rank + t.qk_rope_head_dim,
+              cache_gib_per_request=(mla + kda + other) / 2.0 ** 30)
 
 
 def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
@@ -647,7 +685,8 @@ def _print(r: dict) -> None:
           f"{r['weights_gib_total']:.0f} GiB in all (packed experts "
           f"{r['packed_expert_gib_total']:.0f}), per chip: weights "
           f"{r['weights_gib_per_device']:.2f} GiB, cache {r['cache_gib_per_device']:.2f} GiB, "
-          f"temporaries {r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB "
+          f"temporaries {r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB; one request's "
+          f"cache {r.get('cache_gib_per_request', 0):.2f} GiB from its shapes "
           f"({'fits' if r['fits'] else 'does not fit'} {V5P_HBM_GIB:.0f} GiB; compile "
           f"{r['compile_s']:.0f} s)")
   elif r["part"] == "inference_summary":
