@@ -61,6 +61,8 @@ _PACKED = flags.DEFINE_bool("packed", False, "Only the decode step of small with
 _HYBRID = flags.DEFINE_string("hybrid_prefill", None, "Only: chunked prefill of a 2-layer "
                               "tiny hybrid (KDA + MLA) through generate.prefill at these "
                               "lengths (comma separated; chunks of --long_chunk)")
+_PREFILL_KDA_ONLY = flags.DEFINE_bool("prefill_kda_only", False, "--hybrid_prefill with "
+                                      "both layers KDA (no MLA, no MTP): linear time")
 _K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
                                "Only the decode compile/step time of a 93-layer K3-shaped stack "
                                "with tiny widths.")
@@ -153,7 +155,7 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
   return res
 
 
-def hybrid_prefill(lengths, chunk: int) -> dict:
+def hybrid_prefill(lengths, chunk: int, kda_only: bool = False) -> dict:
   """Chunked prefill through the serving path (`generate.prefill`: one compiled [1, chunk]
   forward over a cache preallocated for the whole prompt) of a 2-layer `tiny` hybrid — a KDA
   layer (dense MLP) and an MLA layer (MoE), plus the MTP layer — at each length, ascending, in
@@ -161,10 +163,12 @@ def hybrid_prefill(lengths, chunk: int) -> dict:
   from its shapes, and the process's peak RSS after the length. Memory is bounded by the
   cache (fixed KDA states + the MLA latents of `length` tokens) and one chunk's activations;
   the time is quadratic, since each chunk's absorbed attention reads the whole preallocated
-  latent buffer."""
+  latent buffer. `kda_only`: the same 2 layers as KDA layers (`kda_only=True`: no MLA, the
+  MTP layer's attention is still MLA over its own cache): linear time."""
   from k3jax.serve import generate as G
   from k3jax.config import preset
-  cfg = preset("tiny", num_layers=2)
+  kda = dict(kda_only=True, mla_every=3, mla_last=False, num_mtp_layers=0) if kda_only else {}
+  cfg = preset("tiny", num_layers=2, **kda)
   v = _variables(cfg)
   rng = np.random.default_rng(0)
   rows = []
@@ -185,7 +189,8 @@ def hybrid_prefill(lengths, chunk: int) -> dict:
     print(f"hybrid prefill {length} tokens in chunks of {chunk}: {dt:.1f} s "
           f"({dt / length * 1e6:.0f} us/token), cache {cache_bytes / 2**20:.1f} MiB, peak RSS "
           f"{_peak_rss_gb():.2f} GB", flush=True)
-  return {"config": "tiny, 2 layers (KDA + dense, MLA + MoE) + MTP", "path":
+  return {"config": ("tiny, 2 KDA layers (dense, MoE), no MTP" if kda_only else
+                     "tiny, 2 layers (KDA + dense, MLA + MoE) + MTP"), "path":
           "generate.prefill (chunked, cache preallocated for the prompt)", "chunk": chunk,
           "backend": jax.default_backend(), "layout": cfg.text.stack_layout(),
           "rows": rows, "load1": os.getloadavg()[0]}
@@ -201,7 +206,8 @@ def _emit(res: dict) -> None:
 def main(argv):
   del argv
   if _HYBRID.value:
-    _emit(hybrid_prefill([int(c) for c in _HYBRID.value.split(",")], _LONG_CHUNK.value))
+    _emit(hybrid_prefill([int(c) for c in _HYBRID.value.split(",")], _LONG_CHUNK.value,
+                         kda_only=_PREFILL_KDA_ONLY.value))
     return
   if _PACKED.value:
     contexts = [int(c) for c in (_CONTEXTS.value or "1024,8192").split(",")]

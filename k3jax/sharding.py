@@ -280,6 +280,29 @@ def logical_specs(abstract_tree: Any) -> Any:
   return nn.get_partition_spec(abstract_tree)
 
 
+# The token embedding table (logical axes of k3jax/model.py's `embed_tokens`): read by a gather
+# of token ids. It is never sharded over `context` (FSDP over context leaves it to the other
+# parameter axes): XLA:TPU (libtpu 0.0.42.1) fails to partition that gather when the table's
+# `embed` dimension is split over `context` while the ids are not split over it (the MTP
+# layer's T−1 positions) — "INTERNAL: during context [post-layout]: Expected instruction to
+# have shape equal to f32[1,1048575,56], actual shape is f32[1,1048575,7168]" at k3's 1M stage.
+GATHERED_TABLE = ("vocab", "embed")
+
+
+def _without_axis(rules: Sequence[tuple[str, Any]], axis: str) -> tuple[tuple[str, Any], ...]:
+  """`rules` with the mesh axis `axis` taken out of every rule (rules left empty dropped)."""
+  out = []
+  for name, axes in rules:
+    if axes is None or isinstance(axes, str):
+      if axes != axis:
+        out.append((name, axes))
+      continue
+    kept = tuple(a for a in axes if a != axis)
+    if kept:
+      out.append((name, kept if len(kept) > 1 else kept[0]))
+  return tuple(out)
+
+
 def param_shardings(mesh: Mesh, abstract_tree: Any,
                     rules: Sequence[tuple[str, Any]] | None = None) -> Any:
   """NamedShardings for a (boxed) variables tree, e.g. `jax.eval_shape(model.init, ...)`.
@@ -292,7 +315,10 @@ def param_shardings(mesh: Mesh, abstract_tree: Any,
   shapes = nn.unbox(abstract_tree)
   paths_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   flat_specs = treedef.flatten_up_to(specs)
-  out = [logical_to_sharding(leaf.shape, tuple(spec), mesh, rules, jax.tree_util.keystr(path))
+  table_rules = _without_axis(rules, "context")
+  out = [logical_to_sharding(leaf.shape, tuple(spec), mesh,
+                             table_rules if tuple(spec) == GATHERED_TABLE else rules,
+                             jax.tree_util.keystr(path))
          for (path, leaf), spec in zip(paths_shapes, flat_specs)]
   return jax.tree_util.tree_unflatten(treedef, out)
 

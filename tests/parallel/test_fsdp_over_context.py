@@ -3,7 +3,7 @@
 CPU devices (fsdp=2, context=4).
 
 The parameters' shardings include `context` (the dense weights over fsdp × context, the
-expert matrices' latent dimension too), the trainer's state shardings follow the run's mesh
+expert matrices' latent dimension too; not the token embedding table), the trainer's state shardings follow the run's mesh
 option, and the step — loss, logits, MTP logits and every gradient, computed with the
 parameters laid out that way and the gradients returned in that layout — equals one device's
 (fp32, ≤ 1e-5 relative). A 2-layer `tiny` (KDA + dense, MLA + MoE, the MTP layer) keeps the
@@ -66,10 +66,13 @@ def test_rules_put_params_over_context_and_the_trainer_follows_the_mesh_option()
   with_context = [k for k, s in over.items() if "context" in str(s)]
   assert not any("context" in str(s) for s in plain.values())
   assert "['params']['lm_head']['kernel']" in with_context
-  # Every weight that plain FSDP shards is now sharded over context as well, and the expert
+  # Every weight that plain FSDP shards is now sharded over context as well — except the
+  # token embedding table, read by a gather (sharding.GATHERED_TABLE) — and the expert
   # matrices (experts over `expert`, latent over fsdp) keep fsdp and add context.
+  table = "['params']['embed_tokens']['embedding']"
+  assert "fsdp" in str(plain[table]) and over[table] == plain[table]
   for k, s in plain.items():
-    if "fsdp" in str(s):
+    if "fsdp" in str(s) and k != table:
       assert "context" in str(over[k]), (k, s, over[k])
   w1 = [k for k in over if "experts" in k and k.endswith("['w1']")]
   assert w1 and all("context" in str(over[k]) and "fsdp" in str(over[k]) for k in w1)
