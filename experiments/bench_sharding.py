@@ -63,6 +63,10 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part inference          # k3, packed experts
   .venv/bin/python experiments/bench_sharding.py --part inference --devices 32 --num_layers 9
   .venv/bin/python experiments/bench_sharding.py --part qlora              # k3 QLoRA state
+  .venv/bin/python experiments/bench_sharding.py --part cache --inf_max_len 1048576
+      # one request's decode cache from its shapes (no compile)
+  PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part memory \
+      --stage 1M                       # configs/k3.py's 1M stage on its 2048 chips
   PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part qlora \
       --devices 64 --qlora_compile                                    # + compiled peak
   --out FILE writes the JSON object too; the last printed line is that JSON.
@@ -710,6 +714,12 @@ def _print(r: dict) -> None:
     print(f"smallest v5p slice tried that holds k3 QLoRA (compiled peak, or state + "
           f"{QLORA_HEADROOM_GIB:.0f} GiB): {r['smallest_fit'] or 'none of ' + str(r['tried'])} "
           "chips")
+  elif r["part"] == "cache":
+    print(f"{r['preset']} ({r['num_layers']} layers) decode cache of one request at "
+          f"{r['max_len']} tokens, {r['dtype']}: {r['cache_gib_per_request']:.2f} GiB (MLA "
+          f"latents {r['mla_cache_bytes_per_request'] / 2**30:.2f} GiB, "
+          f"{r['mla_numbers_per_token_per_layer']} numbers a token and layer; KDA states and "
+          f"conv tails {r['kda_cache_bytes_per_request'] / 2**30:.3f} GiB)")
   elif r["part"] == "state":
     print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
           f"{'+'.join(r['param_axes'])}, kernels {r['param_dtype']}, first moments "
@@ -747,7 +757,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_bool("qlora_compile", False, "qlora part: also compile the LoRA train step for "
                     "the slice's TPU topology (deviceless, needs libtpu) and report its peak",
                     **fv)
-  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference", "qlora"],
+  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference", "qlora",
+                                     "cache"],
                     "what to measure ('all' = memory + state + ep)", **fv)
   flags.DEFINE_integer("inf_batch", 64, "inference part: sequences", **fv)
   flags.DEFINE_integer("inf_max_len", 8192, "inference part: cache capacity in tokens", **fv)
@@ -907,6 +918,13 @@ def run(a: flags.FlagValues) -> None:
     results.append(dict(part="inference_summary", tried=[r["devices"] for r in results
                                                          if r["part"] == "inference"],
                         smallest_fit=min(fits) if fits else None))
+  if a.part == "cache":   # one request's decode cache at --inf_max_len, from shapes only
+    from k3jax.config import preset
+    cfg = preset(a.preset, dtype="bfloat16", param_dtype="bfloat16", expert_format="mxfp4",
+                 **({"num_layers": a.num_layers} if a.num_layers else {}))
+    results.append(dict(part="cache", preset=a.preset, num_layers=cfg.text.num_layers,
+                        max_len=a.inf_max_len, dtype="bfloat16",
+                        **_cache_bytes_per_request(cfg, a.inf_max_len)))
   if a.part == "qlora":
     targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip())
     tried = [a.devices] if a.devices else sorted(INFERENCE_RECIPES)

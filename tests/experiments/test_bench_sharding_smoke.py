@@ -51,6 +51,7 @@ DOCUMENTED = [
     "--fsdp_over_context false",
     "--part memory --stage 1M --num_layers 9 --stage_modes num_mtp_layers=0",
     "--part inference --devices 64 --inf_batch 64 --inf_max_len 1048576",
+    "--part cache --inf_max_len 1048576 --out docs/results/long_context/decode_cache_1m.json",
 ]
 
 
