@@ -523,6 +523,33 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
               state_gib_per_device=_shard_gib(state, sh))
 
 
+def stage_state_part(stage: str, fsdp_over_context: bool | None = None,
+                     num_layers: int | None = None) -> dict:
+  """Per-chip bytes of the training state of configs/k3.py's `stage` on its layout, from the
+  shardings alone (AbstractMesh; no compile): device and host memory apart."""
+  import jax
+
+  from k3jax import sharding
+  from k3jax.train import sharded
+
+  run, layout, _ = stage_config(stage, num_layers, fsdp_over_context=fsdp_over_context)
+  over = layout.pop("fsdp_over_context")
+  n = math.prod(layout.values())
+  mesh = sharding.abstract_mesh(layout, n)
+  rules = sharding.axis_rules(param_axes=PARAM_AXES, fsdp_over_context=over)
+  step = sharded.build_step(run, run.model, mesh, rules=rules)
+  state, sh = step.train.abstract_state, step.train.state_shardings
+  return dict(part="stage_state", stage=stage, devices=n, layout=layout,
+              fsdp_over_context=over, num_layers=run.model.text.num_layers,
+              param_dtype=run.model.modes.param_dtype,
+              offload_momentum=run.optim.offload_momentum,
+              params_gib_per_device=_shard_gib(state.params, sh.params),
+              opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
+              opt_host_gib_per_device=_shard_gib(state.opt_state, sh.opt_state, host=True),
+              state_gib_per_device=_shard_gib(state, sh),
+              state_host_gib_per_device=_shard_gib(state, sh, host=True))
+
+
 def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
                seq_len: int, compile_step: bool = False, num_layers: int | None = None) -> dict:
   """Per-chip bytes of the k3 QLoRA training state (module doc, part "qlora"); with
@@ -714,6 +741,11 @@ def _print(r: dict) -> None:
     print(f"smallest v5p slice tried that holds k3 QLoRA (compiled peak, or state + "
           f"{QLORA_HEADROOM_GIB:.0f} GiB): {r['smallest_fit'] or 'none of ' + str(r['tried'])} "
           "chips")
+  elif r["part"] == "stage_state":
+    print(f"stage {r['stage']} state on {r['devices']} chips {r['layout']}, FSDP over context "
+          f"{r['fsdp_over_context']}: per chip params {r['params_gib_per_device']:.2f} GiB + "
+          f"optimizer {r['opt_gib_per_device']:.2f} GiB (device {r['state_gib_per_device']:.2f} "
+          f"GiB, host {r['state_host_gib_per_device']:.2f} GiB)")
   elif r["part"] == "cache":
     print(f"{r['preset']} ({r['num_layers']} layers) decode cache of one request at "
           f"{r['max_len']} tokens, {r['dtype']}: {r['cache_gib_per_request']:.2f} GiB (MLA "
@@ -819,8 +851,8 @@ def run(a: flags.FlagValues) -> None:
   """The benchmark for parsed flags `a` (the FlagValues define_flags filled)."""
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   layout = parse_layout(a.layout) if a.layout else None
-  if a.stage and a.part != "memory":
-    raise app.UsageError("--stage goes with --part memory")
+  if a.stage and a.part not in ("memory", "state"):
+    raise app.UsageError("--stage goes with --part memory or --part state")
   if a.stage and not a.devices:   # the stage's own slice
     a.devices = math.prod(v for k, v in stage_config(a.stage, a.num_layers or None)[1].items()
                           if k != "fsdp_over_context")
@@ -861,7 +893,11 @@ def run(a: flags.FlagValues) -> None:
     return
 
   results = []
-  if a.part in ("all", "state"):
+  if a.part == "state" and a.stage:
+    for over in ((None, False) if a.fsdp_over_context is None
+                 else (a.fsdp_over_context == "true",)):
+      results.append(stage_state_part(a.stage, over, a.num_layers or None))
+  elif a.part in ("all", "state"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
       results.append(state_part(n, recipe(n, "param_dtype"), recipe(n, "mu_dtype"),
                                 recipe(n, "offload_momentum")))
