@@ -10,7 +10,8 @@ stage runs on the same 2048 chips (v5p:16x16x8) with one sequence's tokens on `c
 
   stage      seq_len    batch  layout (data, fsdp, expert, context)  memory
   pre 8K       8,192    2,048  1, 32, 64,   1   remat per layer group
-  pre 64K     65,536      256  1,  4, 64,   8   + MLA from the latents in 2K-key blocks
+  pre 64K     65,536      256  1,  4, 64,   8   + MLA from the latents in 2K-key blocks,
+                                                  params and optimizer state over context too
   cool 256K  262,144       64  1,  1, 64,  32   + layer inputs and Muon momentum in host memory
   cool 1M  1,048,576       16  1,  1, 16, 128   + the same, 4K-key blocks
 
@@ -25,8 +26,11 @@ STEPS = 100_000
 
 def _stage(steps, seq_len, *, fsdp, expert, context, modes, data="", evidence_fraction=0.0,
            offload_momentum=None):
+  # Parameters and optimizer state sharded over `context` too wherever a row spans several
+  # chips (FSDP over context): the batch axes alone hold 2048 / context chips.
   return dict(steps=steps, seq_len=seq_len, batch_size=TOKENS_PER_STEP // seq_len,
-              mesh=dict(data=1, fsdp=fsdp, expert=expert, context=context, tensor=1),
+              mesh=dict(data=1, fsdp=fsdp, expert=expert, context=context, tensor=1,
+                        fsdp_over_context=context > 1),
               modes=modes, data=data, evidence_fraction=evidence_fraction,
               offload_momentum=offload_momentum)
 

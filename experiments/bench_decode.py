@@ -16,6 +16,11 @@ Reports, on `small` (random init; timings do not depend on the weights):
      token (linear time ⇒ constant µs/token).
 Prints a table and one JSON line (also written to --json_out).
 
+  python -m experiments.bench_decode --hybrid_prefill=8192,32768 --json_out=FILE
+
+measures only a chunked prefill of a 2-layer tiny hybrid (KDA + MLA) through the serving path
+(`hybrid_prefill`): seconds, µs/token, cache bytes and peak RSS per length.
+
   python -m experiments.bench_decode --k3_shaped --json_out=FILE
   python -m experiments.bench_decode --packed --json_out=FILE
 
@@ -53,6 +58,11 @@ _PREFILL = flags.DEFINE_integer("prefill_tokens", 2048, "Prompt length of the pr
 _JSON = flags.DEFINE_string("json_out", None, "Also write the JSON result here.")
 _PACKED = flags.DEFINE_bool("packed", False, "Only the decode step of small with packed MXFP4 "
                             "experts vs its float experts, side by side.")
+_HYBRID = flags.DEFINE_string("hybrid_prefill", None, "Only: chunked prefill of a 2-layer "
+                              "tiny hybrid (KDA + MLA) through generate.prefill at these "
+                              "lengths (comma separated; chunks of --long_chunk)")
+_PREFILL_KDA_ONLY = flags.DEFINE_bool("prefill_kda_only", False, "--hybrid_prefill with "
+                                      "both layers KDA (no MLA, no MTP): linear time")
 _K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
                                "Only the decode compile/step time of a 93-layer K3-shaped stack "
                                "with tiny widths.")
@@ -145,6 +155,47 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
   return res
 
 
+def hybrid_prefill(lengths, chunk: int, kda_only: bool = False) -> dict:
+  """Chunked prefill through the serving path (`generate.prefill`: one compiled [1, chunk]
+  forward over a cache preallocated for the whole prompt) of a 2-layer `tiny` hybrid — a KDA
+  layer (dense MLP) and an MLA layer (MoE), plus the MTP layer — at each length, ascending, in
+  this process: seconds (first chunk's compile included), µs per token, the cache's bytes
+  from its shapes, and the process's peak RSS after the length. Memory is bounded by the
+  cache (fixed KDA states + the MLA latents of `length` tokens) and one chunk's activations;
+  the time is quadratic, since each chunk's absorbed attention reads the whole preallocated
+  latent buffer. `kda_only`: the same 2 layers as KDA layers (`kda_only=True`: no MLA, the
+  MTP layer's attention is still MLA over its own cache): linear time."""
+  from k3jax.serve import generate as G
+  from k3jax.config import preset
+  kda = dict(kda_only=True, mla_every=3, mla_last=False, num_mtp_layers=0) if kda_only else {}
+  cfg = preset("tiny", num_layers=2, **kda)
+  v = _variables(cfg)
+  rng = np.random.default_rng(0)
+  rows = []
+  for length in lengths:
+    tokens = rng.integers(0, 256, size=(1, length)).astype(np.int32)
+    cache = jax.eval_shape(lambda: G.init_cache(cfg, 1, length))   # noqa: B023
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    t0 = time.perf_counter()
+    last, cache = G.prefill(cfg, v, tokens, np.array([length]), max_len=length, chunk=chunk)
+    last = np.asarray(jax.block_until_ready(last))
+    dt = time.perf_counter() - t0
+    if not np.isfinite(last).all() or int(np.asarray(cache.lengths)[0]) != length:
+      raise RuntimeError(f"prefill of {length} tokens: non-finite logits or cache length "
+                         f"{np.asarray(cache.lengths).tolist()}")
+    del cache
+    rows.append({"tokens": length, "seconds": dt, "us_per_token": dt / length * 1e6,
+                 "cache_bytes": int(cache_bytes), "peak_rss_gb": _peak_rss_gb()})
+    print(f"hybrid prefill {length} tokens in chunks of {chunk}: {dt:.1f} s "
+          f"({dt / length * 1e6:.0f} us/token), cache {cache_bytes / 2**20:.1f} MiB, peak RSS "
+          f"{_peak_rss_gb():.2f} GB", flush=True)
+  return {"config": ("tiny, 2 KDA layers (dense, MoE), no MTP" if kda_only else
+                     "tiny, 2 layers (KDA + dense, MLA + MoE) + MTP"), "path":
+          "generate.prefill (chunked, cache preallocated for the prompt)", "chunk": chunk,
+          "backend": jax.default_backend(), "layout": cfg.text.stack_layout(),
+          "rows": rows, "load1": os.getloadavg()[0]}
+
+
 def _emit(res: dict) -> None:
   """Print the result as one JSON line and write it to --json_out (temporary file, renamed)."""
   print(json.dumps(res))
@@ -154,6 +205,10 @@ def _emit(res: dict) -> None:
 
 def main(argv):
   del argv
+  if _HYBRID.value:
+    _emit(hybrid_prefill([int(c) for c in _HYBRID.value.split(",")], _LONG_CHUNK.value,
+                         kda_only=_PREFILL_KDA_ONLY.value))
+    return
   if _PACKED.value:
     contexts = [int(c) for c in (_CONTEXTS.value or "1024,8192").split(",")]
     res = packed_vs_float(contexts, _STEPS.value)

@@ -63,6 +63,10 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part inference          # k3, packed experts
   .venv/bin/python experiments/bench_sharding.py --part inference --devices 32 --num_layers 9
   .venv/bin/python experiments/bench_sharding.py --part qlora              # k3 QLoRA state
+  .venv/bin/python experiments/bench_sharding.py --part cache --inf_max_len 1048576
+      # one request's decode cache from its shapes (no compile)
+  PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part memory \
+      --stage 1M                       # configs/k3.py's 1M stage on its 2048 chips
   PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part qlora \
       --devices 64 --qlora_compile                                    # + compiled peak
   --out FILE writes the JSON object too; the last printed line is that JSON.
@@ -70,6 +74,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import json
@@ -128,6 +133,30 @@ def parse_layout(text: str) -> dict[str, int]:
   return out
 
 
+def parse_modes(text: str | None) -> dict:
+  """'remat_offload=false,mla_key_block=2048' -> {'remat_offload': False, 'mla_key_block':
+  2048} (ints, true/false, none)."""
+  out = {}
+  for item in filter(None, (t.strip() for t in (text or "").split(","))):
+    name, sep, val = item.partition("=")
+    if not sep:
+      raise ValueError(f"--stage_modes: expected field=value pairs, found {item!r}")
+    v = val.strip().lower()
+    out[name.strip()] = (True if v == "true" else False if v == "false" else None
+                         if v == "none" else int(v) if v.lstrip("-").isdigit() else val.strip())
+  return out
+
+
+def _hbm_required(msg: str) -> dict:
+  """XLA:TPU's figure from its refusal ('... HLO temporaries (123.45G) exceeds ...')."""
+  import re
+  m = re.search(r"temporaries \(([0-9.]+)([KMGT])\)", msg)
+  if not m:
+    return {}
+  scale = {"K": 2 ** -20, "M": 2 ** -10, "G": 1.0, "T": 2 ** 10}[m.group(2)]
+  return {"refused_temp_gib": float(m.group(1)) * scale}
+
+
 def _model_config(preset_name: str, num_layers: int | None, param_dtype: str = "float32"):
   from k3jax.config import preset
   over = dict(dtype="bfloat16", param_dtype=param_dtype, remat=True, scan_layers=True,
@@ -161,7 +190,12 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
                 topology: str | None = None, preset_name: str = "k3",
                 num_layers: int | None = None, layout: dict | None = None,
                 muon: bool = True, param_dtype: str = "float32", mu_dtype: str = "",
-                offload_momentum: bool = False) -> dict:
+                offload_momentum: bool = False, stage: str | None = None,
+                stage_modes: dict | None = None, fsdp_over_context: bool | None = None) -> dict:
+  """The trainer's step compiled for `num_devices` (module doc, part "memory"). With `stage`
+  (a name of `STAGES`), the stage's run config from configs/k3.py (`stage_config`) gives the
+  sequence length, the tokens per chip, the layout (unless `layout` is given), the run modes
+  and the optimizer's offload; `stage_modes` / `fsdp_over_context` override the stage's."""
   import jax
 
   from k3jax import sharding
@@ -169,6 +203,13 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   from k3jax.train import sharded
   from k3jax.train.run import OptimConfig, RunConfig, TrainConfig
 
+  stage_run = None
+  if stage is not None:
+    stage_run, stage_layout, per_device_batch = stage_config(
+        stage, num_layers, modes=stage_modes, fsdp_over_context=fsdp_over_context,
+        muon=muon, mu_dtype=mu_dtype or None)
+    layout = dict(layout or stage_layout)
+    seq_len = stage_run.train.seq_len
   layout = dict(layout or LAYOUTS[num_devices])
   if target == "tpu":
     topology = topology or TOPOLOGIES[num_devices]
@@ -177,25 +218,37 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
     devices = jax.devices()
     if len(devices) != num_devices:
       raise ValueError(f"--devices={num_devices}: this process has {len(devices)} devices")
+  over_context = bool(layout.pop("fsdp_over_context", False))
+  if fsdp_over_context is not None:
+    over_context = fsdp_over_context
   mesh = sharding.make_mesh(layout, devices=devices)
   layout = {a: int(s) for a, s in mesh.shape.items()}
-  config = _model_config(preset_name, num_layers, param_dtype)
   batch_size = per_device_batch * sharding.axis_size(mesh, sharding.BATCH_AXES)
-
-  # muon False: AdamW for the matrices too (the trainer's baseline).
-  run = RunConfig(model=config, train=TrainConfig(batch_size=batch_size, seq_len=seq_len),
-                  optim=OptimConfig(muon=muon, mu_dtype=mu_dtype,
-                                    offload_momentum=offload_momentum))
+  if stage_run is None:
+    config = _model_config(preset_name, num_layers, param_dtype)
+    # muon False: AdamW for the matrices too (the trainer's baseline).
+    run = RunConfig(model=config, train=TrainConfig(batch_size=batch_size, seq_len=seq_len),
+                    optim=OptimConfig(muon=muon, mu_dtype=mu_dtype,
+                                      offload_momentum=offload_momentum))
+  else:
+    # The stage's tokens per chip on this mesh: its batch of sequences per batch-axes chip.
+    run = stage_run.replace(train=dataclasses.replace(stage_run.train, batch_size=batch_size,
+                                                      grad_accum=1))
+    config = run.model
+    param_dtype, mu_dtype = config.modes.param_dtype, run.optim.mu_dtype
+    offload_momentum, preset_name = run.optim.offload_momentum, "k3"
+  rules = sharding.axis_rules(param_axes=PARAM_AXES, fsdp_over_context=over_context)
   t0 = time.perf_counter()
   # The trainer's own step on this mesh (shapes checked against it), lowered from abstract
   # values: no parameter is ever allocated.
-  step = sharded.build_step(run, config, mesh, rules=sharding.axis_rules(param_axes=PARAM_AXES))
+  step = sharded.build_step(run, config, mesh, rules=rules)
   state, state_sh = step.train.abstract_state, step.train.state_shardings
   lowered = step.train.lower(state, data_lib.abstract_batch(batch_size, seq_len))
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
   ma = compiled.memory_analysis()
+  cost = _cost(compiled)
   n_params = sum(x.size for x in jax.tree.leaves((state.params, state.balance)))
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
   gib = 2.0 ** 30
@@ -221,7 +274,115 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
       temp_gib=ma.temp_size_in_bytes / gib, alias_gib=ma.alias_size_in_bytes / gib,
       peak_gib=peak / gib, lower_s=t1 - t0, compile_s=t2 - t1,
       host_argument_gib=getattr(ma, "host_argument_size_in_bytes", 0) / gib,
-      host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) / gib)
+      host_temp_gib=getattr(ma, "host_temp_size_in_bytes", 0) / gib,
+      host_output_gib=getattr(ma, "host_output_size_in_bytes", 0) / gib,
+      host_alias_gib=getattr(ma, "host_alias_size_in_bytes", 0) / gib,
+      generated_code_gib=ma.generated_code_size_in_bytes / gib,
+      fits=peak / gib <= V5P_HBM_GIB, fsdp_over_context=over_context,
+      **_stage_fields(stage, run, config, num_devices, seq_len, batch_size, cost))
+
+
+def _cost(compiled) -> dict:
+  """The compiler's cost analysis of one device's program: flops, bytes accessed (and
+  transcendentals), as XLA reports them ({} when it reports nothing)."""
+  try:
+    ca = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 - not every backend implements it
+    return {}
+  if isinstance(ca, (list, tuple)):
+    ca = ca[0] if ca else {}
+  ca = dict(ca or {})
+  return {k: float(ca[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in ca}
+
+
+def _stage_fields(stage, run, config, num_devices, seq_len, batch_size, cost) -> dict:
+  """The stage's identity and modes, the compiler's cost per step and per token (per chip),
+  and the tokens of the stage per chip (the schedule's, configs/k3.py)."""
+  tokens_step = batch_size * seq_len
+  tokens_chip = tokens_step / num_devices
+  out = dict(stage=stage, tokens_per_step=tokens_step, tokens_per_chip_per_step=tokens_chip,
+             flops_per_chip=cost.get("flops"),
+             bytes_accessed_per_chip=cost.get("bytes accessed"),
+             flops_per_token=(cost["flops"] / tokens_chip if "flops" in cost else None),
+             bytes_per_token=(cost["bytes accessed"] / tokens_chip
+                              if "bytes accessed" in cost else None),
+             modes=dict(remat=config.modes.remat, remat_offload=config.modes.remat_offload,
+                        mla_query_block=config.modes.mla_query_block,
+                        mla_key_block=config.modes.mla_key_block,
+                        kda_chunk_size=config.modes.kda_chunk_size,
+                        moe_capacity_factor=config.modes.moe_capacity_factor))
+  if stage is not None:
+    st = next(x for x in run_stages() if x.seq_len == STAGES[stage])
+    stage_tokens = st.steps * (st.batch_size or 0) * st.seq_len
+    out.update(stage_steps=st.steps, stage_batch=st.batch_size, stage_tokens=stage_tokens,
+               # No duration is published (docs/k3.md §8): the rate a chip must sustain is
+               # given for a stage lasting one day; divide by the days it is given.
+               stage_tokens_per_chip=stage_tokens / num_devices,
+               tokens_per_chip_per_s_if_one_day=stage_tokens / num_devices / 86400.0)
+  return out
+
+
+# The stages of configs/k3.py's curriculum by name (their sequence lengths).
+STAGES = {"8K": 8_192, "64K": 65_536, "256K": 262_144, "1M": 1_048_576}
+
+
+def run_stages():
+  """configs/k3.py's `train.stages` (Stage records)."""
+  from configs import k3 as k3_config
+  from k3jax.train.run import run_config
+  return run_config(k3_config.get_config()).train.stages
+
+
+def stage_config(name: str, num_layers: int | None = None, *, modes: dict | None = None,
+                 fsdp_over_context: bool | None = None, muon: bool = True,
+                 mu_dtype: str | None = None):
+  """(run config of the stage's step, its layout with `fsdp_over_context`, sequences per
+  batch-axes chip) for configs/k3.py's stage `name` (`STAGES`), from the config itself
+  (`k3jax.train.stages.stage_run`: its seq_len, batch, mesh, RunModes, Muon offload).
+
+  What the config leaves open for a deviceless compile is set as the other parts of this
+  benchmark do: scanned layers, the XLA kernels (no Pallas on compile-only TPU devices) and a
+  capacity factor of 1.25 where the config's MoE is dropless (a dropless dispatch buffer is
+  sized for every local token). `modes` overrides the stage's RunModes (the attempts of
+  docs/notes/long_context.md)."""
+  import dataclasses as dc
+
+  from configs import k3 as k3_config
+  from k3jax import sharding
+  from k3jax.train import stages as stages_lib
+  from k3jax.train.run import run_config
+
+  if name not in STAGES:
+    raise ValueError(f"--stage: expected one of {list(STAGES)}, found {name!r}")
+  from k3jax.config import RunModes
+  cfg = k3_config.get_config()
+  if num_layers:
+    cfg.model.num_layers = num_layers
+  run_modes = {f.name for f in dc.fields(RunModes)}
+  modes = dict(modes or {})
+  for k in [k for k in modes if k not in run_modes]:   # the model's own fields (an attempt
+    if k not in cfg.model:                              # without the MTP layer, …)
+      raise ValueError(f"--stage_modes: unknown model field {k!r}")
+    cfg.model[k] = modes.pop(k)
+  run = run_config(cfg)
+  st = next(x for x in run.train.stages if x.seq_len == STAGES[name])
+  srun = stages_lib.stage_run(run, st)
+  over = dict(scan_layers=True, kernel_backend="xla")
+  if srun.model.modes.moe_capacity_factor is None:
+    over["moe_capacity_factor"] = 1.25
+  over.update(modes or {})
+  optim = dc.replace(srun.optim, muon=muon,
+                     **({} if mu_dtype is None else {"mu_dtype": mu_dtype}))
+  srun = srun.replace(model=srun.model.replace(**over), optim=optim)
+  mesh = srun.mesh
+  layout = {a: getattr(mesh, a) for a in sharding.MESH_AXES}
+  layout["fsdp_over_context"] = (mesh.fsdp_over_context if fsdp_over_context is None
+                                 else fsdp_over_context)
+  batch_chips = math.prod(layout[a] for a in sharding.BATCH_AXES)
+  if st.batch_size % batch_chips:
+    raise ValueError(f"stage {name}: batch {st.batch_size} is not divisible by the batch axes "
+                     f"{batch_chips}")
+  return srun, layout, st.batch_size // batch_chips
 
 
 def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
@@ -261,6 +422,7 @@ def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
   variables = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            shapes, p_sh)
   cache = jax.eval_shape(lambda: generate.init_cache(config, batch, max_len))
+  per_request = _cache_bytes_per_request(config, max_len)
   c_sh = sharding.cache_shardings(mesh, cache, batch)
   cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        cache, c_sh)
@@ -296,7 +458,37 @@ def inference_part(num_devices: int, *, batch: int, max_len: int, tokens: int,
       cache_gib_per_device=_shard_gib(cache, c_sh),
       argument_gib=ma.argument_size_in_bytes / gib, output_gib=ma.output_size_in_bytes / gib,
       alias_gib=ma.alias_size_in_bytes / gib, temp_gib=ma.temp_size_in_bytes / gib,
-      peak_gib=peak / gib, fits=peak / gib <= V5P_HBM_GIB, lower_s=t1 - t0, compile_s=t2 - t1)
+      peak_gib=peak / gib, fits=peak / gib <= V5P_HBM_GIB, lower_s=t1 - t0, compile_s=t2 - t1,
+      # The cache from its shapes (one request), and what the compiled arguments hold beyond
+      # the weights (the cache shard and the tokens): the two must agree.
+      **per_request,
+      requests_per_device=batch / max(1, sharding.axis_size(mesh, sharding.BATCH_AXES))
+      if batch % sharding.axis_size(mesh, sharding.BATCH_AXES) == 0 else batch,
+      arguments_beyond_weights_gib=ma.argument_size_in_bytes / gib - _shard_gib(shapes, p_sh))
+
+
+def _cache_bytes_per_request(config, max_len: int) -> dict:
+  """Bytes of one request's decode cache at `max_len` tokens, from the cache's shapes
+  (`generate.init_cache(config, 1, max_len)`): MLA latents (kv_lora_rank + rope numbers a
+  token and MLA layer), KDA states and conv tails (fixed), and the rest."""
+  import jax
+
+  from k3jax.serve import generate
+  cache = jax.eval_shape(lambda: generate.init_cache(config, 1, max_len))
+  mla = kda = other = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(cache):
+    name, nbytes = jax.tree_util.keystr(path), x.size * x.dtype.itemsize
+    if "c_kv" in name or "k_rope" in name:
+      mla += nbytes
+    elif max_len not in x.shape and x.ndim >= 2:
+      kda += nbytes
+    else:
+      other += nbytes
+  t = config.text
+  return dict(cache_bytes_per_request=mla + kda + other, mla_cache_bytes_per_request=mla,
+              kda_cache_bytes_per_request=kda, other_cache_bytes_per_request=other,
+              mla_numbers_per_token_per_layer=t.kv_lora_rank + t.qk_rope_head_dim,
+              cache_gib_per_request=(mla + kda + other) / 2.0 ** 30)
 
 
 def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
@@ -329,6 +521,33 @@ def state_part(num_devices: int, param_dtype: str, mu_dtype: str,
               opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
               opt_host_gib_per_device=_shard_gib(state.opt_state, sh.opt_state, host=True),
               state_gib_per_device=_shard_gib(state, sh))
+
+
+def stage_state_part(stage: str, fsdp_over_context: bool | None = None,
+                     num_layers: int | None = None) -> dict:
+  """Per-chip bytes of the training state of configs/k3.py's `stage` on its layout, from the
+  shardings alone (AbstractMesh; no compile): device and host memory apart."""
+  import jax
+
+  from k3jax import sharding
+  from k3jax.train import sharded
+
+  run, layout, _ = stage_config(stage, num_layers, fsdp_over_context=fsdp_over_context)
+  over = layout.pop("fsdp_over_context")
+  n = math.prod(layout.values())
+  mesh = sharding.abstract_mesh(layout, n)
+  rules = sharding.axis_rules(param_axes=PARAM_AXES, fsdp_over_context=over)
+  step = sharded.build_step(run, run.model, mesh, rules=rules)
+  state, sh = step.train.abstract_state, step.train.state_shardings
+  return dict(part="stage_state", stage=stage, devices=n, layout=layout,
+              fsdp_over_context=over, num_layers=run.model.text.num_layers,
+              param_dtype=run.model.modes.param_dtype,
+              offload_momentum=run.optim.offload_momentum,
+              params_gib_per_device=_shard_gib(state.params, sh.params),
+              opt_gib_per_device=_shard_gib(state.opt_state, sh.opt_state),
+              opt_host_gib_per_device=_shard_gib(state.opt_state, sh.opt_state, host=True),
+              state_gib_per_device=_shard_gib(state, sh),
+              state_host_gib_per_device=_shard_gib(state, sh, host=True))
 
 
 def qlora_part(num_devices: int, lora_rank: int, lora_targets: tuple[str, ...],
@@ -458,7 +677,8 @@ def _subprocess(args: list[str], devices: int | None) -> dict:
 
 def _print(r: dict) -> None:
   if r["part"] == "memory" and r.get("error"):
-    print(f"{r['preset']} train step, {r['devices']} devices on {r['topology']}, layout "
+    print(f"{r['preset']} train step{' (stage ' + r['stage'] + ')' if r.get('stage') else ''}, "
+          f"{r['devices']} devices on {r['topology']}, layout "
           f"{r['layout']}, optimizer {r['optimizer']}: XLA refused to compile: {r['error']}")
   elif r["part"] == "memory":
     where = (f"{r['topology']} ({r['device_kind']}, deviceless AOT)" if r["target"] == "tpu"
@@ -474,9 +694,17 @@ def _print(r: dict) -> None:
           f"{r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB "
           f"(state {r['state_gib_per_device']:.2f} GiB/device, {r['state_gib_total']:.0f} GiB "
           f"in all; lower {r['lower_s']:.0f} s, compile {r['compile_s']:.0f} s)")
-    if r["offload_momentum"]:
+    if r["offload_momentum"] or r.get("host_argument_gib") or r.get("host_temp_gib"):
       print(f"  host memory per device: arguments {r['host_argument_gib']:.2f} GiB, temporaries "
-            f"{r['host_temp_gib']:.2f} GiB")
+            f"{r['host_temp_gib']:.2f} GiB, outputs {r.get('host_output_gib', 0):.2f} GiB")
+    if r.get("flops_per_chip") is not None:
+      print(f"  compiler's cost per chip and step: {r['flops_per_chip']:.4g} flops, "
+            f"{r['bytes_accessed_per_chip']:.4g} bytes accessed; per token "
+            f"{r['flops_per_token']:.4g} flops, {r['bytes_per_token']:.4g} bytes")
+    if r.get("stage"):
+      print(f"  stage {r['stage']}: {r['stage_tokens']:.4g} tokens ({r['stage_steps']} steps), "
+            f"{r['stage_tokens_per_chip']:.4g} per chip: "
+            f"{r['tokens_per_chip_per_s_if_one_day']:.0f} tokens/s a chip if it lasts a day")
 
   elif r["part"] == "inference" and r.get("error"):
     print(f"k3 inference (packed experts), {r['devices']} chips on {r['topology']}: XLA refused "
@@ -488,7 +716,8 @@ def _print(r: dict) -> None:
           f"{r['weights_gib_total']:.0f} GiB in all (packed experts "
           f"{r['packed_expert_gib_total']:.0f}), per chip: weights "
           f"{r['weights_gib_per_device']:.2f} GiB, cache {r['cache_gib_per_device']:.2f} GiB, "
-          f"temporaries {r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB "
+          f"temporaries {r['temp_gib']:.2f} GiB, total {r['peak_gib']:.2f} GiB; one request's "
+          f"cache {r.get('cache_gib_per_request', 0):.2f} GiB from its shapes "
           f"({'fits' if r['fits'] else 'does not fit'} {V5P_HBM_GIB:.0f} GiB; compile "
           f"{r['compile_s']:.0f} s)")
   elif r["part"] == "inference_summary":
@@ -512,6 +741,17 @@ def _print(r: dict) -> None:
     print(f"smallest v5p slice tried that holds k3 QLoRA (compiled peak, or state + "
           f"{QLORA_HEADROOM_GIB:.0f} GiB): {r['smallest_fit'] or 'none of ' + str(r['tried'])} "
           "chips")
+  elif r["part"] == "stage_state":
+    print(f"stage {r['stage']} state on {r['devices']} chips {r['layout']}, FSDP over context "
+          f"{r['fsdp_over_context']}: per chip params {r['params_gib_per_device']:.2f} GiB + "
+          f"optimizer {r['opt_gib_per_device']:.2f} GiB (device {r['state_gib_per_device']:.2f} "
+          f"GiB, host {r['state_host_gib_per_device']:.2f} GiB)")
+  elif r["part"] == "cache":
+    print(f"{r['preset']} ({r['num_layers']} layers) decode cache of one request at "
+          f"{r['max_len']} tokens, {r['dtype']}: {r['cache_gib_per_request']:.2f} GiB (MLA "
+          f"latents {r['mla_cache_bytes_per_request'] / 2**30:.2f} GiB, "
+          f"{r['mla_numbers_per_token_per_layer']} numbers a token and layer; KDA states and "
+          f"conv tails {r['kda_cache_bytes_per_request'] / 2**30:.3f} GiB)")
   elif r["part"] == "state":
     print(f"k3 training state, {r['devices']} devices, layout {r['layout']} (params over "
           f"{'+'.join(r['param_axes'])}, kernels {r['param_dtype']}, first moments "
@@ -549,7 +789,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_bool("qlora_compile", False, "qlora part: also compile the LoRA train step for "
                     "the slice's TPU topology (deviceless, needs libtpu) and report its peak",
                     **fv)
-  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference", "qlora"],
+  flags.DEFINE_enum("part", "all", ["all", "memory", "state", "ep", "inference", "qlora",
+                                     "cache"],
                     "what to measure ('all' = memory + state + ep)", **fv)
   flags.DEFINE_integer("inf_batch", 64, "inference part: sequences", **fv)
   flags.DEFINE_integer("inf_max_len", 8192, "inference part: cache capacity in tokens", **fv)
@@ -588,6 +829,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "on 8 simulated devices alone needs ~11 GB of RAM)", **fv)
   flags.DEFINE_enum("ep_layout", None, ["expert", "replicated"],
                     "internal (--child): the one ep layout to time", **fv)
+  flags.DEFINE_enum("stage", None, list(STAGES), "memory part: compile configs/k3.py's "
+                    "curriculum stage (its seq_len, tokens per chip, layout, run modes and "
+                    "offload; --layout/--devices/--topology for another slice)", **fv)
+  flags.DEFINE_string("stage_modes", None, "memory part with --stage: RunModes overrides "
+                      "'remat_offload=false,mla_key_block=2048' (attempts)", **fv)
+  flags.DEFINE_enum("fsdp_over_context", None, ["true", "false"], "memory part: params and "
+                    "optimizer state also sharded over `context` (default: the stage's)", **fv)
   flags.DEFINE_string("out", None, "also write the JSON object to this path", **fv)
   flags.DEFINE_bool("child", False, "internal: run one measurement in this process (the "
                     "parent starts it with the right devices)", **fv)
@@ -603,6 +851,11 @@ def run(a: flags.FlagValues) -> None:
   """The benchmark for parsed flags `a` (the FlagValues define_flags filled)."""
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   layout = parse_layout(a.layout) if a.layout else None
+  if a.stage and a.part not in ("memory", "state"):
+    raise app.UsageError("--stage goes with --part memory or --part state")
+  if a.stage and not a.devices:   # the stage's own slice
+    a.devices = math.prod(v for k, v in stage_config(a.stage, a.num_layers or None)[1].items()
+                          if k != "fsdp_over_context")
   if a.part in ("all", "memory") and not a.devices and (layout or a.topology):
     raise app.UsageError("--layout / --topology need --devices")
   if (a.part in ("all", "memory", "inference") and a.target == "tpu"
@@ -630,14 +883,21 @@ def run(a: flags.FlagValues) -> None:
                         muon=a.optimizer == "muon",
                         param_dtype=recipe(a.devices, "param_dtype"),
                         mu_dtype=recipe(a.devices, "mu_dtype"),
-                        offload_momentum=recipe(a.devices, "offload_momentum"))
+                        offload_momentum=recipe(a.devices, "offload_momentum"),
+                        stage=a.stage, stage_modes=parse_modes(a.stage_modes),
+                        fsdp_over_context=None if a.fsdp_over_context is None
+                        else a.fsdp_over_context == "true")
     else:
       res = ep_part(a.ep_layout, a.steps, a.ep_batch, a.ep_seq_len, a.ep_num_layers)
     print(json.dumps(res))
     return
 
   results = []
-  if a.part in ("all", "state"):
+  if a.part == "state" and a.stage:
+    for over in ((None, False) if a.fsdp_over_context is None
+                 else (a.fsdp_over_context == "true",)):
+      results.append(stage_state_part(a.stage, over, a.num_layers or None))
+  elif a.part in ("all", "state"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
       results.append(state_part(n, recipe(n, "param_dtype"), recipe(n, "mu_dtype"),
                                 recipe(n, "offload_momentum")))
@@ -651,6 +911,9 @@ def run(a: flags.FlagValues) -> None:
       args += ["--topology", a.topology] if a.topology else []
       args += ["--layout", a.layout] if a.layout else []
       args += ["--optimizer", a.optimizer]
+      args += ["--stage", a.stage] if a.stage else []
+      args += ["--stage_modes", a.stage_modes] if a.stage_modes else []
+      args += ["--fsdp_over_context", a.fsdp_over_context] if a.fsdp_over_context else []
       try:
         results.append(_subprocess(args, n if a.target == "cpu" else None))
       except RuntimeError as e:
@@ -665,7 +928,10 @@ def run(a: flags.FlagValues) -> None:
                             per_device_batch=a.per_device_batch,
                             param_dtype=recipe(n, "param_dtype"),
                             mu_dtype=recipe(n, "mu_dtype") or "params",
-                            offload_momentum=recipe(n, "offload_momentum"), error=msg))
+                            offload_momentum=recipe(n, "offload_momentum"), error=msg,
+                            stage=a.stage, stage_modes=parse_modes(a.stage_modes),
+                            fsdp_over_context=a.fsdp_over_context, fits=False,
+                            **_hbm_required(msg)))
   if a.part == "inference":
     fits = []
     for n in ([a.devices] if a.devices else sorted(INFERENCE_RECIPES)):
@@ -688,6 +954,13 @@ def run(a: flags.FlagValues) -> None:
     results.append(dict(part="inference_summary", tried=[r["devices"] for r in results
                                                          if r["part"] == "inference"],
                         smallest_fit=min(fits) if fits else None))
+  if a.part == "cache":   # one request's decode cache at --inf_max_len, from shapes only
+    from k3jax.config import preset
+    cfg = preset(a.preset, dtype="bfloat16", param_dtype="bfloat16", expert_format="mxfp4",
+                 **({"num_layers": a.num_layers} if a.num_layers else {}))
+    results.append(dict(part="cache", preset=a.preset, num_layers=cfg.text.num_layers,
+                        max_len=a.inf_max_len, dtype="bfloat16",
+                        **_cache_bytes_per_request(cfg, a.inf_max_len)))
   if a.part == "qlora":
     targets = tuple(t.strip() for t in a.lora_targets.split(",") if t.strip())
     tried = [a.devices] if a.devices else sorted(INFERENCE_RECIPES)

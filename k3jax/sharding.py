@@ -76,7 +76,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
 
 
 def axis_rules(fsdp_over_data: bool = False,
-               param_axes: Sequence[str] | None = None) -> tuple[tuple[str, Any], ...]:
+               param_axes: Sequence[str] | None = None,
+               fsdp_over_context: bool = False) -> tuple[tuple[str, Any], ...]:
   """`LOGICAL_AXIS_RULES`, with the parameter-sharding axis `fsdp` widened.
 
   `fsdp_over_data`: params and optimizer state sharded over (data, fsdp) (ZeRO-3 over data).
@@ -84,18 +85,42 @@ def axis_rules(fsdp_over_data: bool = False,
   dense weights over the expert axis too); every widened rule keeps plain `fsdp` as its
   fallback, used where another dimension of the same array already took one of the axes
   (the expert matrices, whose `experts` dimension holds `expert`).
+  `fsdp_over_context`: params and optimizer state also sharded over `context` (FSDP over the
+  sequence axis: at 1M tokens a row spans 128 devices and the batch axes hold few), placed
+  right after `fsdp` in the widened axes — ("fsdp", "context", "expert") for
+  param_axes=("fsdp", "expert") — with ("fsdp", "context") as the expert matrices' fallback.
+  Each layer's weights are then all-gathered over `context` when it runs and its gradients
+  reduce-scattered, as over `fsdp` (XLA SPMD from the shardings).
   """
   if param_axes is None:
     param_axes = ("data", "fsdp") if fsdp_over_data else ("fsdp",)
   param_axes = tuple(param_axes)
-  if param_axes == ("fsdp",):
+  candidates = [param_axes]
+  if fsdp_over_context and "context" not in param_axes:
+    i = param_axes.index("fsdp") + 1 if "fsdp" in param_axes else len(param_axes)
+    widened = param_axes[:i] + ("context",) + param_axes[i:]
+    candidates = [widened, tuple(a for a in widened if a != "expert")]
+  if candidates == [("fsdp",)]:
     return LOGICAL_AXIS_RULES
+  fallbacks = []
+  for axes in candidates:
+    if axes != ("fsdp",) and axes not in fallbacks:
+      fallbacks.append(axes)
   out = []
   for name, axes in LOGICAL_AXIS_RULES:
     if axes == "fsdp":
-      out.append((name, param_axes))
+      out.extend((name, f if len(f) > 1 else f[0]) for f in fallbacks)
     out.append((name, axes))
   return tuple(out)
+
+
+def params_over(mesh_cfg: Any, param_axes: Sequence[str] | None = None
+                ) -> tuple[tuple[str, Any], ...]:
+  """The rules of a mesh config (`MeshConfig` or its mapping): its `fsdp_over_data` and
+  `fsdp_over_context` options applied (`axis_rules`)."""
+  c = MeshConfig.from_any(mesh_cfg)
+  return axis_rules(fsdp_over_data=c.fsdp_over_data, param_axes=param_axes,
+                    fsdp_over_context=c.fsdp_over_context)
 
 
 # ------------------------------------------------------------------------------------- meshes
@@ -108,6 +133,7 @@ class MeshConfig:
   context: int = 1
   tensor: int = 1
   fsdp_over_data: bool = False  # also shard params / optimizer state over `data` (ZeRO-3 style)
+  fsdp_over_context: bool = False  # also shard params / optimizer state over `context`
 
   @classmethod
   def from_any(cls, cfg: Any) -> "MeshConfig":
@@ -254,6 +280,29 @@ def logical_specs(abstract_tree: Any) -> Any:
   return nn.get_partition_spec(abstract_tree)
 
 
+# The token embedding table (logical axes of k3jax/model.py's `embed_tokens`): read by a gather
+# of token ids. It is never sharded over `context` (FSDP over context leaves it to the other
+# parameter axes): XLA:TPU (libtpu 0.0.42.1) fails to partition that gather when the table's
+# `embed` dimension is split over `context` while the ids are not split over it (the MTP
+# layer's T−1 positions) — "INTERNAL: during context [post-layout]: Expected instruction to
+# have shape equal to f32[1,1048575,56], actual shape is f32[1,1048575,7168]" at k3's 1M stage.
+GATHERED_TABLE = ("vocab", "embed")
+
+
+def _without_axis(rules: Sequence[tuple[str, Any]], axis: str) -> tuple[tuple[str, Any], ...]:
+  """`rules` with the mesh axis `axis` taken out of every rule (rules left empty dropped)."""
+  out = []
+  for name, axes in rules:
+    if axes is None or isinstance(axes, str):
+      if axes != axis:
+        out.append((name, axes))
+      continue
+    kept = tuple(a for a in axes if a != axis)
+    if kept:
+      out.append((name, kept if len(kept) > 1 else kept[0]))
+  return tuple(out)
+
+
 def param_shardings(mesh: Mesh, abstract_tree: Any,
                     rules: Sequence[tuple[str, Any]] | None = None) -> Any:
   """NamedShardings for a (boxed) variables tree, e.g. `jax.eval_shape(model.init, ...)`.
@@ -266,7 +315,10 @@ def param_shardings(mesh: Mesh, abstract_tree: Any,
   shapes = nn.unbox(abstract_tree)
   paths_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   flat_specs = treedef.flatten_up_to(specs)
-  out = [logical_to_sharding(leaf.shape, tuple(spec), mesh, rules, jax.tree_util.keystr(path))
+  table_rules = _without_axis(rules, "context")
+  out = [logical_to_sharding(leaf.shape, tuple(spec), mesh,
+                             table_rules if tuple(spec) == GATHERED_TABLE else rules,
+                             jax.tree_util.keystr(path))
          for (path, leaf), spec in zip(paths_shapes, flat_specs)]
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -407,7 +459,7 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 __all__ = [
-    "MESH_AXES", "BATCH_AXES", "LOGICAL_AXIS_RULES", "axis_rules", "MeshConfig", "mesh_shape",
+    "MESH_AXES", "BATCH_AXES", "LOGICAL_AXIS_RULES", "axis_rules", "params_over", "MeshConfig", "mesh_shape",
     "make_mesh", "abstract_mesh", "axis_size", "activate", "logical_to_sharding",
     "logical_specs", "param_shardings", "batch_spec", "batch_sharding", "batch_shardings",
     "cache_shardings", "check_shapes", "constrain_activations", "constrain_like_params",

@@ -63,4 +63,11 @@ def test_k3_curriculum_is_the_reports_with_a_layout_per_stage():
     contexts.append(shape["context"])
     assert (st.seq_len > 65536) == modes.remat_offload == bool(stage.optim.offload_momentum)
     assert (st.seq_len > 8192) == (modes.mla_key_block is not None)
+    # FSDP over context wherever a row spans chips: the state is then sharded over every
+    # chip's share (dense weights over fsdp × context × expert where d divides, the expert
+    # matrices' latent dim over fsdp × context).
+    assert stage.mesh.fsdp_over_context == (shape["context"] > 1)
+    rules = sharding.params_over(stage.mesh, param_axes=("fsdp", "expert"))
+    embed = [axes for name, axes in rules if name == "embed"][0]
+    assert ("context" in embed) == (shape["context"] > 1)
   assert contexts == [1, 8, 32, 128]

@@ -73,7 +73,8 @@ class LoRARun:
 # and writes the same variables as every other stage's).
 STAGE_MODES = ("remat", "remat_offload", "mla_query_block", "mla_key_block", "kda_chunk_size",
                "moe_capacity_factor", "kernel_backend")
-STAGE_MESH = ("data", "fsdp", "expert", "context", "tensor", "fsdp_over_data")
+STAGE_MESH = ("data", "fsdp", "expert", "context", "tensor", "fsdp_over_data",
+              "fsdp_over_context")
 STAGE_DATA = ("", "long")
 
 

@@ -220,9 +220,9 @@ PRETRAIN = Trainable(("params",), (BALANCE,))   # every weight, and the router b
 
 
 def run_rules(run: RunConfig) -> tuple[tuple[str, Any], ...]:
-  """The logical-axis rules of the run (`mesh.fsdp_over_data` widens parameter sharding over
-  `data`)."""
-  return sharding.axis_rules(fsdp_over_data=run.mesh.fsdp_over_data)
+  """The logical-axis rules of the run (`mesh.fsdp_over_data` / `mesh.fsdp_over_context` widen
+  parameter sharding over `data` / `context`)."""
+  return sharding.params_over(run.mesh)
 
 
 def run_mesh(run: RunConfig) -> Mesh | None:

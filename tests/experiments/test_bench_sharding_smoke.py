@@ -45,6 +45,13 @@ DOCUMENTED = [
     "--part qlora --out qlora.json",
     "--part qlora --devices 64 --qlora_compile",
     "--part inference",
+    "--part memory --stage 1M",
+    "--part memory --stage 8K --out docs/results/long_context/stage_8K.json",
+    "--part memory --stage 256K --stage_modes remat_offload=false,mla_key_block=2048 "
+    "--fsdp_over_context false",
+    "--part memory --stage 1M --num_layers 9 --stage_modes num_mtp_layers=0",
+    "--part inference --devices 64 --inf_batch 64 --inf_max_len 1048576",
+    "--part cache --inf_max_len 1048576 --out docs/results/long_context/decode_cache_1m.json",
 ]
 
 
@@ -158,4 +165,64 @@ def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
   assert r["global_batch"] == 8 and r["num_layers"] == 2
   assert r["state_gib_total"] / 8 <= r["state_gib_per_device"] < r["state_gib_total"]
   assert r["argument_bytes"] > 0 and r["temp_bytes"] > 0 and r["peak_gib"] > 0
+  # The compiler's cost analysis, per chip and per token of the chip's share (16 tokens).
+  assert r["flops_per_chip"] > 0 and r["bytes_accessed_per_chip"] > 0
+  assert r["tokens_per_chip_per_step"] == 16
+  assert r["flops_per_token"] == pytest.approx(r["flops_per_chip"] / 16)
+
+
+def test_stage_config_is_the_config_s_stage():
+  """--stage takes configs/k3.py's stage as it is: sequence length, sequences per chip, layout
+  (FSDP over context where a row spans chips), run modes and Muon offload; --stage_modes
+  overrides RunModes or the model's own fields; bad names are clear errors."""
+  import importlib
+  from k3jax.train.run import run_config
+  plan = run_config(importlib.import_module("configs.k3").get_config()).train.stages
+  assert [bench.STAGES[n] for n in ("8K", "64K", "256K", "1M")] == [st.seq_len for st in plan]
+  for name, st in zip(("8K", "64K", "256K", "1M"), plan):
+    run, layout, per_chip = bench.stage_config(name)
+    mesh = dict(st.mesh)
+    assert {a: layout[a] for a in ("data", "fsdp", "expert", "context", "tensor")} == {
+        a: mesh.get(a, 1) for a in ("data", "fsdp", "expert", "context", "tensor")}
+    assert layout["fsdp_over_context"] == (mesh["context"] > 1)
+    chips = layout["data"] * layout["fsdp"] * layout["expert"] * layout["context"]
+    assert chips == 2048 and per_chip * chips // mesh["context"] == st.batch_size
+    assert run.train.seq_len == st.seq_len
+    modes = dict(st.modes)
+    assert run.model.modes.mla_key_block == modes["mla_key_block"]
+    assert run.model.modes.remat_offload == modes.get("remat_offload", False)
+    assert run.optim.offload_momentum == bool(st.offload_momentum)
+    assert run.model.modes.moe_capacity_factor == 1.25 and run.model.modes.scan_layers
+  run, layout, _ = bench.stage_config("1M", 5, modes=dict(remat_offload=False,
+                                                          num_mtp_layers=0),
+                                      fsdp_over_context=False)
+  assert (run.model.text.num_layers, run.model.text.num_mtp_layers) == (5, 0)
+  assert not run.model.modes.remat_offload and not layout["fsdp_over_context"]
+  with pytest.raises(ValueError, match="--stage"):
+    bench.stage_config("2M")
+  with pytest.raises(ValueError, match="unknown model field 'bogus'"):
+    bench.stage_config("8K", modes=dict(bogus=1))
+  assert bench.parse_modes("remat_offload=false, mla_key_block=2048,x=none") == dict(
+      remat_offload=False, mla_key_block=2048, x=None)
+  assert bench._hbm_required("RESOURCE_EXHAUSTED: ... HLO temporaries (215.86G) exceeds "
+                             "available HBM (94.75G).") == {"refused_temp_gib": 215.86}
+  assert bench._hbm_required("RESOURCE_EXHAUSTED: Ran out of memory") == {}
+
+
+def test_cache_bytes_per_request_from_the_shapes():
+  """One request's decode cache: (kv_lora_rank + rope) numbers a token for every MLA layer
+  (the MTP layer's included), KDA states and conv tails independent of the length."""
+  from k3jax.config import preset
+  cfg = preset("tiny", num_layers=4, mla_every=2)    # KDA, MLA, KDA, MLA + the MTP's MLA
+  t = cfg.text
+  a, b = (bench._cache_bytes_per_request(cfg, n) for n in (1000, 3000))
+  width = (t.kv_lora_rank + t.qk_rope_head_dim) * 4           # fp32 cache
+  assert a["mla_numbers_per_token_per_layer"] == t.kv_lora_rank + t.qk_rope_head_dim
+  assert a["mla_cache_bytes_per_request"] == 3 * 1000 * width
+  assert b["mla_cache_bytes_per_request"] == 3 * 3000 * width
+  kda = t.kda_num_heads * t.kda_head_dim * t.kda_head_dim * 4
+  assert a["kda_cache_bytes_per_request"] == b["kda_cache_bytes_per_request"] >= 2 * kda
+  assert a["cache_bytes_per_request"] == sum(
+      a[k] for k in ("mla_cache_bytes_per_request", "kda_cache_bytes_per_request",
+                     "other_cache_bytes_per_request"))
 
