@@ -10,19 +10,17 @@ trajectories of a task; one step of `make_rl_step` on the policy's own tokens
 engine's log-probs as the behaviour log-probs. The engine then serves the updated weights
 (`Engine.set_variables`, which also drops the cache: its states were the old weights').
 
-<<<<<<< HEAD
 Effort budget (`budget.enabled`; K3 §13): T(y) = `Trajectory.effort_tokens(agentic=True)` —
 the thinking tokens plus every tool call's argument tokens; b₀(x) = the mean T of
 `budget.b0_samples` trajectories of the *initial* policy on task x (`EffortB0`: rolled out
 through a second engine that keeps serving the initial weights, once per task, in the round
 the task is first trained); τ_d(r) per domain, annealed as in the single-turn loop
 (`loop.tau_schedule`); the reward becomes −1 when T(y) > τ·b₀(x) (`budget_rewards`).
-=======
+
 Visual tasks (rl.domains = ("crop",), k3jax/data/visual_tasks.py; a multimodal policy): the
 environment offers the `crop` tool instead of python, each request carries the trajectory's
 images (the overview, then every crop) as a media stream, and so does each training row
 (`ToolEnv.batch_media`): the update sees the images the rollout saw.
->>>>>>> mm
 
 Sampling is at temperature 1: the engine's log-probs are those of the model's own
 distribution, which is then the sampling distribution, so behaviour = trainer log-probs up to
@@ -46,13 +44,8 @@ from k3jax.data import visual_tasks
 from k3jax.data.tool_tasks import ToolTaskSampler, is_correct
 from k3jax.posttrain.rl import logprobs as lp_lib
 from k3jax.posttrain.rl import sandbox
-<<<<<<< HEAD
-from k3jax.posttrain.rl.env import ToolEnv, Trajectory, rollout, training_rows
-from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, tau_schedule, write_json
-=======
 from k3jax.posttrain.rl.env import FINISHES, ToolEnv, Trajectory, rollout, training_rows
-from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, write_json
->>>>>>> mm
+from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, tau_schedule, write_json
 from k3jax.posttrain.rl.losses import group_advantages
 from k3jax.posttrain.rl.rewards import apply_budget, budget_violations
 from k3jax.posttrain.rl.update import make_rl_step
@@ -141,17 +134,13 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
                 max_turns=a.max_turns, max_tokens=a.max_tokens,
                 max_reply_tokens=a.max_reply_tokens, **media)
   engine = Engine(config, jax.tree.map(jnp.array, state.variables), engine_config(r))
-<<<<<<< HEAD
   b0 = (EffortB0(Engine(config, initial, engine_config(r)), env, r.budget.b0_samples,
                  seed=r.run.seed + 1) if r.budget.enabled else None)
   taus = tau_schedule(r)
   if sampler is None:
-    sampler = ToolTaskSampler(ro.domains, ro.efforts, seed=r.run.seed)
-=======
-  sampler = (visual_tasks.VisualTaskSampler if visual else ToolTaskSampler)(
-      ro.domains, ro.efforts, seed=r.run.seed)
+    sampler = (visual_tasks.VisualTaskSampler if visual else ToolTaskSampler)(
+        ro.domains, ro.efforts, seed=r.run.seed)
   verify = visual_tasks.is_correct if visual else is_correct
->>>>>>> mm
   width, resp = ro.max_prompt_len + a.max_tokens, a.max_tokens
   out = pathlib.Path(out_dir) if out_dir is not None else None
   if out is not None:
