@@ -285,5 +285,5 @@ def training_rows(trajs: Sequence[Trajectory], width: int, resp_width: int):
   return seqs, plens, mask, blp
 
 
-__all__ = ["FINISHES", "TOOL_UNAVAILABLE", "ToolEnv", "Trajectory", "Turn", "ReplyTokens", "rollout",
-           "training_rows"]
+__all__ = ["FINISHES", "TOOL_UNAVAILABLE", "ToolEnv", "Trajectory", "Turn", "ReplyTokens",
+           "rollout", "training_rows"]
