@@ -43,7 +43,7 @@ def test_tasks_and_demonstrations():
     assert T.reference_code(t) == f"print({x}*{y})"
   t = a[0]
   ids = ENC.encode(A.demonstration(t, f"{t.answer}\n"), bos=False).ids
-  assert tuple(int(i) for i in ids[:len(t.tokens)]) == t.tokens     # extends the rollout prompt
+  assert tuple(int(i) for i in ids[:len(t.tokens)]) == t.tokens     # extends the prompt
   mask = sft.assistant_mask(ids)
   # Trained: the assistant's tokens after its header (the thinking opening, which a rollout's
   # prompt already holds, included); not the question, not the tool's output.
