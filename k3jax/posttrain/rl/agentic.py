@@ -132,7 +132,7 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     later = [turn for t in trajs for turn in t.turns[1:]]
     m = {"round": rnd, "trajectories": rows, "reward": float(rewards.mean()),
          "turns": float(np.mean([len(t.turns) for t in trajs])),
-         "tool_calls": int(sum(len(t.results) for t in trajs)),
+         "tool_calls": int(sum(t.tool_calls for t in trajs)),
          "finish": {f: sum(t.finish == f for t in trajs) for f in FINISHES
                     if f != "media_token" or visual},
          "policy_tokens": int(mask.sum()),
