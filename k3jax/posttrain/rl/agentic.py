@@ -189,7 +189,7 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     m = {"round": rnd, "trajectories": rows, "reward": float(rewards.mean()),
          "accuracy": float(accuracy.mean()),
          "turns": float(np.mean([len(t.turns) for t in trajs])),
-         "tool_calls": int(sum(len(t.results) for t in trajs)),
+         "tool_calls": int(sum(t.tool_calls for t in trajs)),
          "finish": {f: sum(t.finish == f for t in trajs) for f in FINISHES
                     if f != "media_token" or visual},
          "policy_tokens": int(mask.sum()),

@@ -82,6 +82,7 @@ class Trajectory:
   thinking_tokens: int = 0
   argument_tokens: int = 0
   images: list = dataclasses.field(default_factory=list)   # of the placeholders, in order
+  tool_calls: int = 0                                      # calls made (any tool)
 
   def append(self, ids: Sequence[int], policy: bool, logprobs: Sequence[float] = ()):
     ids = [int(i) for i in ids]
@@ -286,6 +287,7 @@ class ToolEnv:
       return self._end(traj, "answer")
     if msg is not None and msg.tool_calls:
       for call in msg.tool_calls:
+        traj.tool_calls += 1
         traj.argument_tokens += len(self.encoder.text(chat.canonical_json(call.arguments)))
         notes.append(self.run_tool(call, traj))
     if len(traj.turns) >= self.max_turns:

@@ -69,7 +69,7 @@ def test_crop_returns_the_cell_as_media_and_the_trajectory_is_the_demonstration(
   # Only the policy's replies carry loss; the tool message and openings are the env's.
   want = [True] * len(r1) + [False] * (len(traj.policy) - len(r1) - len(r2)) + [True] * len(r2)
   assert traj.policy == want and traj.logprobs[:len(r1)] == [-0.5] * len(r1)
-  assert traj.argument_tokens == len(f'{{"cell":"{TASK.cell}"}}')
+  assert traj.argument_tokens == len(f'{{"cell":"{TASK.cell}"}}') and traj.tool_calls == 1
   # The cold start's SFT demonstration is this very token sequence, with these images.
   conv, images = V.demonstration(TASK)
   e = sft.encode_media(CONFIG.vision, conv, images, bos=False)
