@@ -894,9 +894,10 @@ def run(a: flags.FlagValues) -> None:
 
   results = []
   if a.part == "state" and a.stage:
-    for over in ((None, False) if a.fsdp_over_context is None
-                 else (a.fsdp_over_context == "true",)):
-      results.append(stage_state_part(a.stage, over, a.num_layers or None))
+    over = None if a.fsdp_over_context is None else a.fsdp_over_context == "true"
+    results.append(stage_state_part(a.stage, over, a.num_layers or None))
+    if over is None and results[-1]["fsdp_over_context"]:   # and without it, to compare
+      results.append(stage_state_part(a.stage, False, a.num_layers or None))
   elif a.part in ("all", "state"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
       results.append(state_part(n, recipe(n, "param_dtype"), recipe(n, "mu_dtype"),
