@@ -16,12 +16,21 @@ plan (arguments = the state shard + the batch shard, outputs, temporaries).
     --param_dtype, --mu_dtype, --offload_momentum and --seq_len override its fields.
   --num_layers L compiles a shallower k3 (same widths) — for the depth extrapolation in
     docs/notes/sharding.md, and for quick checks.
+  --stage 8K|64K|256K|1M compiles configs/k3.py's curriculum stage as the config gives it
+    (`stage_config`: sequence length, sequences per chip, layout with `fsdp_over_context`,
+    RunModes, Muon offload; the stage's 2048 chips unless --devices/--topology/--layout say
+    otherwise); --stage_modes / --fsdp_over_context override them for the attempts. Each entry
+    also has the compiler's cost analysis (flops, bytes accessed) per chip and per token, the
+    host-memory figures, and with --stage the stage's tokens per chip.
   The model constrains its residual stream to batch sharding at every layer boundary
   (`k3jax.sharding.constrain_activations`). When XLA:TPU refuses a plan larger than the chip's HBM
   (RESOURCE_EXHAUSTED), that message is the result (an entry with "error").
 
 Part "state": per-device bytes of params + optimizer state from the shardings alone
-(AbstractMesh; no compile).
+(AbstractMesh; no compile); with --stage, the stage's layout with and without FSDP over context.
+
+Part "cache": one request's decode cache at --inf_max_len tokens from its shapes (MLA latents,
+KDA states), no compile.
 
 Part "inference": the model's cached forward (`k3jax.serve.generate.forward`: one decode step of
 --inf_tokens tokens per sequence over a cache of --inf_max_len, --inf_batch sequences) of k3
@@ -894,9 +903,10 @@ def run(a: flags.FlagValues) -> None:
 
   results = []
   if a.part == "state" and a.stage:
-    for over in ((None, False) if a.fsdp_over_context is None
-                 else (a.fsdp_over_context == "true",)):
-      results.append(stage_state_part(a.stage, over, a.num_layers or None))
+    over = None if a.fsdp_over_context is None else a.fsdp_over_context == "true"
+    results.append(stage_state_part(a.stage, over, a.num_layers or None))
+    if over is None and results[-1]["fsdp_over_context"]:   # and without it, to compare
+      results.append(stage_state_part(a.stage, False, a.num_layers or None))
   elif a.part in ("all", "state"):
     for n in ([a.devices] if a.devices else sorted(LAYOUTS)):
       results.append(state_part(n, recipe(n, "param_dtype"), recipe(n, "mu_dtype"),

@@ -46,6 +46,7 @@ DOCUMENTED = [
     "--part qlora --devices 64 --qlora_compile",
     "--part inference",
     "--part memory --stage 1M",
+    "--part state --stage 1M --out docs/results/long_context/state_1M.json",
     "--part memory --stage 8K --out docs/results/long_context/stage_8K.json",
     "--part memory --stage 256K --stage_modes remat_offload=false,mla_key_block=2048 "
     "--fsdp_over_context false",
