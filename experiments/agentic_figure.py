@@ -36,21 +36,24 @@ import time
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "docs/results/agentic", "Output directory (JSON).")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", 500, "Cold-start SFT steps.")
-_SFT_BATCH = flags.DEFINE_integer("sft_batch", 8, "Cold-start SFT rows per step.")
-_DEMOS = flags.DEFINE_integer("demos", 4000, "Demonstration trajectories (distinct tasks).")
-_SFT_LR = flags.DEFINE_float("sft_lr", 3e-3, "Cold-start SFT peak learning rate (AdamW).")
-_ROUNDS = flags.DEFINE_integer("rounds", 20, "Agentic RL rounds.")
-_N_PROMPTS = flags.DEFINE_integer("n_prompts", 2, "Tasks per RL round.")
-_K = flags.DEFINE_integer("k", 8, "Trajectories per task (the group).")
-_LR = flags.DEFINE_float("lr", 3e-4, "RL learning rate (AdamW).")
-_EVAL_N = flags.DEFINE_integer("eval_n", 64, "Held-out tasks per evaluation.")
-_DIGITS = flags.DEFINE_list("digits", ["1", "2"], "Digits per factor: lo,hi (inclusive).")
-_LAYERS = flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA with the MoE).")
-_MAX_REPLY = flags.DEFINE_integer("max_reply_tokens", 80, "One reply's token cap.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 480, "A trajectory's token cap (prompt too).")
-_SEED = flags.DEFINE_integer("seed", 0, "Model init / SFT seed.")
+# The script's own flag set: importing it (its test does) registers nothing in absl's global
+# FLAGS, so it shares a process with other entry points defining --seed, --out, --k, ...
+FLAGS = flags.FlagValues()
+_OUT = flags.DEFINE_string("out", "docs/results/agentic", "Output directory (JSON).", flag_values=FLAGS)
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", 500, "Cold-start SFT steps.", flag_values=FLAGS)
+_SFT_BATCH = flags.DEFINE_integer("sft_batch", 8, "Cold-start SFT rows per step.", flag_values=FLAGS)
+_DEMOS = flags.DEFINE_integer("demos", 4000, "Demonstration trajectories (distinct tasks).", flag_values=FLAGS)
+_SFT_LR = flags.DEFINE_float("sft_lr", 3e-3, "Cold-start SFT peak learning rate (AdamW).", flag_values=FLAGS)
+_ROUNDS = flags.DEFINE_integer("rounds", 20, "Agentic RL rounds.", flag_values=FLAGS)
+_N_PROMPTS = flags.DEFINE_integer("n_prompts", 2, "Tasks per RL round.", flag_values=FLAGS)
+_K = flags.DEFINE_integer("k", 8, "Trajectories per task (the group).", flag_values=FLAGS)
+_LR = flags.DEFINE_float("lr", 3e-4, "RL learning rate (AdamW).", flag_values=FLAGS)
+_EVAL_N = flags.DEFINE_integer("eval_n", 64, "Held-out tasks per evaluation.", flag_values=FLAGS)
+_DIGITS = flags.DEFINE_list("digits", ["1", "2"], "Digits per factor: lo,hi (inclusive).", flag_values=FLAGS)
+_LAYERS = flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA with the MoE).", flag_values=FLAGS)
+_MAX_REPLY = flags.DEFINE_integer("max_reply_tokens", 80, "One reply's token cap.", flag_values=FLAGS)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 480, "A trajectory's token cap (prompt too).", flag_values=FLAGS)
+_SEED = flags.DEFINE_integer("seed", 0, "Model init / SFT seed.", flag_values=FLAGS)
 
 EFFORT = "high"
 _TRAIN_SEED, _RL_SEED, _EVAL_SEED = 101, 202, 303
@@ -277,4 +280,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=lambda argv: (flags.FLAGS(argv[:1]), FLAGS(argv))[1])

@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-from absl import flags
 
 from cli_env import ROOT, cli_env
 from experiments import agentic_figure as A
@@ -23,12 +22,12 @@ ENC = ChatEncoder(TOK)
 
 @pytest.fixture(autouse=True)
 def _flags():
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS(["agentic_figure"])
-  saved = flags.FLAGS.digits
-  flags.FLAGS.digits = ["2", "3"]
+  if not A.FLAGS.is_parsed():
+    A.FLAGS(["agentic_figure"])
+  saved = A.FLAGS.digits
+  A.FLAGS.digits = ["2", "3"]
   yield
-  flags.FLAGS.digits = saved
+  A.FLAGS.digits = saved
 
 
 def test_tasks_and_demonstrations():
@@ -73,7 +72,7 @@ class _CopyingPolicy:
   def __init__(self, config, variables, ec):
     self.ec, self.requests, self.n = ec, {}, 0
 
-  def submit(self, prompt, params):
+  def submit(self, prompt, params, *, media=None, media_keys=None):
     text = TOK.decode(list(prompt), specials=True)
     if "[open]tool[sep]" not in text:
       x, y = (int(v) for v in text.split("Compute ")[1].split(" exactly")[0].split("*"))
@@ -131,7 +130,7 @@ def test_script_end_to_end_at_minimal_sizes(monkeypatch, tmp_path):
 
   monkeypatch.setattr(engine, "Engine", Policy)
   monkeypatch.setattr(agentic, "Engine", Policy)
-  f = flags.FLAGS
+  f = A.FLAGS
   saved = {k: getattr(f, k) for k in ("out", "layers", "sft_steps", "demos", "rounds",
                                       "n_prompts", "k", "eval_n", "max_tokens")}
   try:
