@@ -12,6 +12,9 @@ import pytest
 
 from cli_env import ROOT, cli_env
 from experiments import agentic_figure as A
+# Imported before any test patches `engine.Engine`: modules that bind the name at import
+# (rl/partial.py through rl/loop.py) must keep the real class for the tests that follow.
+from k3jax.posttrain.rl import loop as _loop  # noqa: F401
 from k3jax.data import sft, tool_tasks as T
 from k3jax.data.chat_tokens import ChatEncoder
 from k3jax.data.tokenizers import ByteTokenizer
