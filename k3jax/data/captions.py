@@ -223,6 +223,22 @@ def encode(vision_config, caption_sample: Sample, media_sample: Sample | None = 
   return Encoded(sample_arrays(sample_tokens(caption_sample.caption, merged)), pv, grid)
 
 
+
+def fill_row(sample, seq_len: int, length: int, what: str) -> list:
+  """Encoded samples (`sample()` → an object with num_tokens / num_patches) drawn until the
+  next would overflow a row of seq_len tokens and `length` patches; ValueError naming both
+  limits when even the first does not fit (`what` names the sample in it)."""
+  row, n, p = [], 0, 0
+  while True:
+    e = sample()
+    if n + e.num_tokens > seq_len or p + e.num_patches > length:
+      if not row:
+        raise ValueError(f"{what} of {e.num_tokens} tokens / {e.num_patches} patches does not "
+                         f"fit train.seq_len={seq_len} / data.media_length={length}")
+      return row
+    row.append(e)
+    n, p = n + e.num_tokens, p + e.num_patches
+
 def pack_rows(vision_config, rows: Sequence[Sequence[Encoded] | dict], seq_len: int,
               length: int) -> dict:
   """Rows → a batch dict (module doc): inputs, targets, segment_ids, loss_mask, mtp_targets,
@@ -317,18 +333,8 @@ class ShapesIterator:
         w = np.asarray(self.text_stream[off:off + self.seq_len + 2])[None]
         rows.append({k: v[0] for k, v in pack_windows(w).items()})
         continue
-      row, n, p = [], 0, 0
-      while True:
-        e = encode(self.vision_config, render(rng))
-        if n + e.num_tokens > self.seq_len or p + e.num_patches > self.length:
-          if not row:
-            raise ValueError(f"a sample of {e.num_tokens} tokens / {e.num_patches} patches "
-                             f"does not fit train.seq_len={self.seq_len} / data.media_length="
-                             f"{self.length}")
-          break
-        row.append(e)
-        n, p = n + e.num_tokens, p + e.num_patches
-      rows.append(row)
+      rows.append(fill_row(lambda: encode(self.vision_config, render(rng)), self.seq_len,
+                           self.length, "a sample"))
     return pack_rows(self.vision_config, rows, self.seq_len, self.length)
 
   def __iter__(self):

@@ -515,18 +515,9 @@ class MediaSFTIterator:
     rows = []
     for b in range(self.batch_size):
       rng = np.random.default_rng([self.seed, 0, step, b])
-      row, n, p = [], 0, 0
-      while True:
-        e = encode_media(self.vision_config, *self.make(rng), bos=self.bos)
-        if n + e.num_tokens > self.seq_len or p + e.num_patches > self.length:
-          if not row:
-            raise ValueError(f"a conversation of {e.num_tokens} tokens / {e.num_patches} "
-                             f"patches does not fit train.seq_len={self.seq_len} / "
-                             f"data.media_length={self.length}")
-          break
-        row.append(e)
-        n, p = n + e.num_tokens, p + e.num_patches
-      rows.append(row)
+      rows.append(captions.fill_row(
+          lambda: encode_media(self.vision_config, *self.make(rng), bos=self.bos),
+          self.seq_len, self.length, "a conversation"))
     return captions.pack_rows(self.vision_config, rows, self.seq_len, self.length)
 
   def __iter__(self):
