@@ -1,7 +1,10 @@
 """Test-wide settings: 8 simulated CPU devices (set before jax is imported) and a fast,
 deterministic hypothesis profile."""
 
+import ctypes
+import gc
 import os
+import sys
 import time
 
 from cli_env import xla_flags   # no jax import: XLA_FLAGS is set before jax loads
@@ -40,3 +43,20 @@ def pytest_runtest_protocol(item, nextitem):
   if wall >= 1.0:
     with open(_TIMES, "a") as f:
       f.write(f"{cpu:8.1f} {wall:8.1f} {item.nodeid}\n")
+
+
+def pytest_runtest_teardown(item, nextitem):
+  """After a test file's last test, drop every compiled executable and trace cache, and hand
+  freed heap back to the system. A worker runs hundreds of test files; without this it keeps
+  each file's executables (and the constants baked into them) to the end, growing to several
+  GiB, and two such workers plus the CLI tests' subprocesses crowd a 24 GiB machine."""
+  if nextitem is not None and nextitem.path == item.path:
+    return
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    jax.clear_caches()
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):   # not glibc: the memory is reused, not returned
+    pass

@@ -28,8 +28,12 @@ from parallel.mtp_loss import loss_and_grads
 B, T = 8, 16
 LR = 0.5
 # Two meshes cover every axis (each compile of the sharded step costs about a minute on 2 CPU
-# cores); expert=8 alone is pinned at the layer level in tests/parallel/test_expert.py.
-MESHES = [dict(data=1, fsdp=2, context=4), dict(data=2, context=2, expert=2)]
+# cores); expert=8 alone is pinned at the layer level in tests/parallel/test_expert.py. The
+# fsdp × context mesh lays the parameters out over context too (`fsdp_over_context`: the
+# gradients come back in that layout); the plain FSDP layout runs in the trainer's sharded
+# tests (tests/train/test_sharded.py, tests/parallel/test_multihost.py).
+MESHES = [dict(data=1, fsdp=2, context=4, fsdp_over_context=True),
+          dict(data=2, context=2, expert=2)]
 
 
 def _config():
@@ -72,12 +76,15 @@ def _close(a, b, what):
 
 
 @pytest.mark.parametrize("mesh_cfg", MESHES,
-                         ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items() if v > 1))
+                         ids=lambda m: "-".join(f"{k}{v}" if v is not True else k
+                                                for k, v in m.items() if v > 1))
 def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
   config, boxed, variables, batch, (ref_params, ref_loss, ref_logits, ref_mtp) = _setup()
-  mesh = sharding.make_mesh(sharding.MeshConfig(**mesh_cfg))
+  mesh_cfg = sharding.MeshConfig(**mesh_cfg)
+  mesh = sharding.make_mesh(mesh_cfg)
   sharding.check_shapes(config, mesh, batch_size=B, seq_len=T)
-  var_sh = sharding.param_shardings(mesh, {c: boxed[c] for c in ("params", "balance")})
+  var_sh = sharding.param_shardings(mesh, {c: boxed[c] for c in ("params", "balance")},
+                                    sharding.params_over(mesh_cfg))
   b_sh = sharding.batch_shardings(mesh, batch)
 
   step = functools.partial(_step, config)
@@ -98,7 +105,10 @@ def test_sharded_forward_and_train_step_equal_single_device(mesh_cfg):
   flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
   for (path, a), b in zip(flat, jax.tree_util.tree_leaves(ref_params)):
     _close(a, b, f"params{jax.tree_util.keystr(path)}")
-  # The layout really is the mesh's: experts over `expert`, matrices over `fsdp`.
+  # The layout really is the mesh's: experts over `expert`, matrices over `fsdp` (and over
+  # `context` with fsdp_over_context).
   w1 = params["body"]["layers_0"]["block_sparse_moe"]["experts"]["w1"]
+  head = str(params["lm_head"]["kernel"].sharding.spec)
   assert ("expert" in str(w1.sharding.spec)) == (mesh.shape["expert"] > 1)
-  assert ("fsdp" in str(params["lm_head"]["kernel"].sharding.spec)) == (mesh.shape["fsdp"] > 1)
+  assert ("fsdp" in head) == (mesh.shape["fsdp"] > 1)
+  assert ("context" in head) == mesh_cfg.fsdp_over_context
