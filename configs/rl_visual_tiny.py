@@ -26,7 +26,6 @@ def get_config():
   c.rl.k = 4                       # 8 trajectories a round = the engine's 8 slots
   c.rl.max_prompt_len = 224        # the visual prompts: about 200 tokens
   c.loss.adv_std_norm = True
-  c.loss.kl_coef = 0.0             # no reference forward with media (docs/notes/rl.md)
   c.rl.expert_qat = "mxfp4_mxfp8"  # QAT from SFT through RL, rollouts and updates alike
   c.agent.enabled = True
   c.agent.max_tokens = 384         # prompt + a crop call + the tool's image + an answer

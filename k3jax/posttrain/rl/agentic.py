@@ -124,9 +124,9 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
   step_fn = make_rl_step(config, tx, lcfg, temperature=1.0, qk_clip_tau=r.run.optim.qk_clip_tau)
   visual = any(d in visual_tasks.DOMAINS for d in ro.domains)
   if visual and (not all(d in visual_tasks.DOMAINS for d in ro.domains)
-                 or config.vision is None or lcfg.kl_coef > 0):
+                 or config.vision is None):
     raise ValueError(f"rl.domains={tuple(ro.domains)}: visual tasks need a multimodal policy "
-                     f"(model.vision), no text-tool domain beside them and loss.kl_coef = 0")
+                     f"(model.vision) and no text-tool domain beside them")
   media = (dict(tools=("crop",), vision_config=config.vision,
                 media_id=config.media_placeholder_token_id) if visual else {})
   env = ToolEnv(limits=sandbox.Limits(cpu_seconds=a.tool_cpu_seconds,
@@ -173,13 +173,15 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     adv = group_advantages(rewards, ro.k, lcfg.adv_std_norm, lcfg.adv_eps)
     seqs, plens, mask, blp = training_rows(trajs, width, resp)
     rows = len(trajs)
-    ref = (lp_lib.token_logprobs(config, initial, seqs, plens, resp)
+    media = env.batch_media(trajs) if visual else None
+    # The KL reference reads the same rows as the update: with their images.
+    ref = (lp_lib.token_logprobs(config, initial, seqs, plens, resp, media=media)
            if lcfg.kl_coef > 0 else np.zeros((rows, resp), np.float32))
     batch = {"seqs": seqs, "prompt_lens": plens, "mask": mask, "behaviour_lp": blp,
              "adv": adv, "teacher_lp": np.zeros((rows, resp), np.float32),
              "has_teacher": np.zeros(rows, bool), "ref_lp": ref}
     if visual:
-      batch["media"] = env.batch_media(trajs)
+      batch["media"] = media
     t0 = time.perf_counter()
     state, met = step_fn(state, jax.tree.map(jnp.asarray, batch))
     lp = np.asarray(met["rows"]["lp"])
@@ -198,7 +200,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
                                          / max(sum(t.prompt_len for t in later), 1)),
          "mismatch": float(np.abs(lp - blp)[mask > 0].max()) if mask.any() else 0.0,
          "loss": float(met["loss"]), "grad_norm": float(met["grad_norm"]),
-         "clip_frac": float(met["clip_frac"]), "rollout_seconds": rollout_s,
+         "clip_frac": float(met["clip_frac"]), "kl": float(met["kl"]),
+         "rollout_seconds": rollout_s,
          "train_seconds": train_s}
     history.append(m)
     record_round(m, out, log)

@@ -35,23 +35,26 @@ def response_logprobs(logits: jax.Array, seqs: jax.Array, prompt_lens: jax.Array
   return jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]
 
 
-def model_logits(config: ModelConfig, variables, seqs: jax.Array) -> jax.Array:
-  """The training forward's logits fp32 [B,W,V] (router statistics discarded)."""
-  logits, _ = K3Model(config).apply(variables, seqs, mutable=["stats"])
+def model_logits(config: ModelConfig, variables, seqs: jax.Array, media=None) -> jax.Array:
+  """The training forward's logits fp32 [B,W,V] (router statistics discarded); `media`: the
+  rows' media streams (`k3jax.vision.media.Media`) for a multimodal model's placeholders."""
+  logits, _ = K3Model(config).apply(variables, seqs, mutable=["stats"], media=media)
   return logits
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted(config: ModelConfig, resp_width: int, temperature: float):
-  def f(variables, seqs, prompt_lens):
-    return response_logprobs(model_logits(config, variables, seqs), seqs, prompt_lens,
+  def f(variables, seqs, prompt_lens, media):
+    return response_logprobs(model_logits(config, variables, seqs, media), seqs, prompt_lens,
                              resp_width, temperature)
   return jax.jit(f)
 
 
 def token_logprobs(config: ModelConfig, variables, seqs, prompt_lens, resp_width: int,
-                   temperature: float = 1.0) -> np.ndarray:
-  """logp [B, resp_width] fp32 of the responses in `seqs` [B,W] (module doc)."""
+                   temperature: float = 1.0, media=None) -> np.ndarray:
+  """logp [B, resp_width] fp32 of the responses in `seqs` [B,W] (module doc). `media`: the
+  rows' media (one stream a row, as the update's `batch["media"]`), needed when the rows
+  hold media placeholders; the variables then include the vision tower's."""
   seqs = np.asarray(seqs, np.int32)
   prompt_lens = np.asarray(prompt_lens, np.int32)
   if seqs.ndim != 2 or prompt_lens.shape != seqs.shape[:1]:
@@ -62,9 +65,13 @@ def token_logprobs(config: ModelConfig, variables, seqs, prompt_lens, resp_width
                      f"({seqs.shape[1]}), found {prompt_lens.tolist()}")
   if seqs.min() < 0 or seqs.max() >= config.text.vocab_size:
     raise ValueError(f"seqs: token ids must be in [0, vocab_size={config.text.vocab_size})")
+  if media is not None and config.vision is None:
+    raise ValueError("token_logprobs: media given, but the model has no vision tower "
+                     "(config.vision is None)")
   variables = {k: v for k, v in dict(variables).items() if k in ("params", "balance")}
   return np.asarray(_jitted(config, int(resp_width), float(temperature))(
-      variables, jnp.asarray(seqs), jnp.asarray(prompt_lens)))
+      variables, jnp.asarray(seqs), jnp.asarray(prompt_lens),
+      None if media is None else jax.tree.map(jnp.asarray, media)))
 
 
 def mismatch(a, b, lengths) -> float:

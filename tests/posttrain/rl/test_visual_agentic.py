@@ -23,6 +23,7 @@ def _run(**rl):
   c.rl.update({**dict(rounds=1, n_prompts=1, k=2, expert_qat=None), **rl})
   c.agent.update(dict(max_tokens=288, max_reply_tokens=8, max_turns=2, num_slots=2))
   c.optim.lr = 1e-2
+  c.loss.kl_coef = 0.05
   return rl_config(c)
 
 
@@ -50,6 +51,9 @@ def test_one_visual_round_end_to_end():
     assert MEDIA not in [tok for tok, p in zip(t.tokens[t.prompt_len:], t.policy) if p]
   # the update saw the rollout's media: its log-probs before the update = the engine's
   assert h["mismatch"] <= 1e-5, h
+  # the KL reference (the initial policy, = the policy before this update) read the same
+  # images: KL = 0 (without them its log-probs would differ by the images' whole effect)
+  assert 0.0 <= h["kl"] <= 1e-6, h
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                        state.variables["params"], variables["params"])
   assert max(jax.tree.leaves(moved)) > 1e-4
