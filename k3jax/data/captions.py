@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image
 
 from k3jax.data import chat
-from k3jax.data.corpus import pack_windows, restored_step
+from k3jax.data.corpus import StepIterator, pack_windows
 from k3jax.data.tokenizers import BOS, EOS, MEDIA, NUM_BYTES, PAD
 from k3jax.vision.media import Media, media_from_pixels, stack_media
 from k3jax.vision.packing import META_FIELDS
@@ -295,13 +295,13 @@ def fill_rows(items: Sequence[Encoded], seq_len: int, length: int) -> list[list[
 
 
 # ---------------------------------------------------------------------- iteration
-class ShapesIterator:
+class ShapesIterator(StepIterator):
   """Checkpointable batches of the shapes corpus, optionally interleaved with text rows.
 
   Row b of step s: with probability `text_fraction` (drawn from default_rng([seed, 0, s, b]))
   a window of T+2 tokens of `text_stream` (a text row, empty media stream); otherwise samples
   rendered from that generator, packed until the next would not fit T tokens or `length`
-  patches. `get_state` / `set_state` as `k3jax.data.corpus.DataIterator`.
+  patches. State: `k3jax.data.corpus.StepIterator`.
   """
 
   def __init__(self, vision_config, batch_size: int, seq_len: int, length: int, seed: int = 0,
@@ -337,23 +337,9 @@ class ShapesIterator:
                            self.length, "a sample"))
     return pack_rows(self.vision_config, rows, self.seq_len, self.length)
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    out = self.batch(self.step)
-    self.step += 1
-    return out
-
   def fingerprint(self) -> dict:
     return {"source": "shapes", "seq_len": self.seq_len, "media_length": self.length,
             "text_fraction": self.text_fraction, "text": self.text_fingerprint}
-
-  def get_state(self) -> dict:
-    return {"step": self.step, "seed": self.seed, "data": self.fingerprint()}
-
-  def set_state(self, state: dict) -> None:
-    self.step = restored_step(state, self.fingerprint(), self.seed)
 
 
 # ---------------------------------------------------------------------- chat form

@@ -285,12 +285,41 @@ def seq_len_at(step: int, seq_len: int, curriculum: Sequence[tuple[int, int]] = 
   return seq_len
 
 
-class DataIterator:
-  """Deterministic, checkpointable batches: `next(it)` yields the batch of `it.step`.
+class StepIterator:
+  """The protocol of every checkpointable batch source (text, SFT, media, long documents): a
+  batch is a pure function of (data, seed, step), so `next(it)` yields `it.batch(it.step)` and
+  the state is the step. `get_state()` is JSON-serialisable ({"step", "seed", "data": the
+  data's fingerprint}); `set_state()` restores it and refuses data or a seed that differs
+  from the checkpointed run's. Subclasses set `seed` and `step` and define `batch(step)`,
+  `fingerprint()` and `seq_len_at(step)`."""
 
-  `get_state()` is JSON-serialisable; `set_state()` restores it and refuses data that differs
-  from the checkpointed run's (by fingerprint).
-  """
+  seed: int
+  step: int
+
+  def batch(self, step: int) -> dict:
+    raise NotImplementedError
+
+  def fingerprint(self) -> dict:
+    raise NotImplementedError
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    out = self.batch(self.step)
+    self.step += 1
+    return out
+
+  def get_state(self) -> dict:
+    return {"step": self.step, "seed": self.seed, "data": self.fingerprint()}
+
+  def set_state(self, state: dict) -> None:
+    self.step = restored_step(state, self.fingerprint(), self.seed)
+
+
+class DataIterator(StepIterator):
+  """Deterministic, checkpointable batches of a corpus's windows (`StepIterator`), the
+  sequence length following the curriculum."""
 
   def __init__(self, corpus: Corpus, batch_size: int, seq_len: int, seed: int = 0,
                curriculum: Sequence[tuple[int, int]] = ()):
@@ -309,20 +338,12 @@ class DataIterator:
   def seq_len_at(self, step: int) -> int:
     return seq_len_at(step, self.seq_len, self.curriculum)
 
-  def __iter__(self):
-    return self
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    return sample_batch(self.corpus.train, self.seed, step, self.batch_size,
+                        self.seq_len_at(step))
 
-  def __next__(self) -> dict[str, np.ndarray]:
-    batch = sample_batch(self.corpus.train, self.seed, self.step, self.batch_size,
-                         self.seq_len_at(self.step))
-    self.step += 1
-    return batch
-
-  def get_state(self) -> dict:
-    return {"step": self.step, "seed": self.seed, "data": self.corpus.fingerprint()}
-
-  def set_state(self, state: dict) -> None:
-    self.step = restored_step(state, self.corpus.fingerprint(), self.seed)
+  def fingerprint(self):
+    return self.corpus.fingerprint()
 
 
 def restored_step(state: dict, fingerprint, seed: int) -> int:

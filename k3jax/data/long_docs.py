@@ -176,10 +176,11 @@ def sample_rows(docs: LongDocs, seed: int, step: int, batch_size: int, seq_len: 
   return np.stack(rows), what
 
 
-class LongDocIterator:
-  """Checkpointable batches of long-document rows with evidence tasks mixed in: `next(it)` is
-  the batch of `it.step` (`pack_windows` of `sample_rows`) at the curriculum's seq_len of that
-  step; the answer tokens of evidence rows weigh `answer_weight` in the loss mask."""
+class LongDocIterator(corpus_lib.StepIterator):
+  """Checkpointable batches of long-document rows with evidence tasks mixed in
+  (`corpus.StepIterator`): the batch of a step is `pack_windows` of `sample_rows` at the
+  curriculum's seq_len of that step; the answer tokens of evidence rows weigh
+  `answer_weight` in the loss mask."""
 
   def __init__(self, docs: LongDocs, batch_size: int, seq_len: int, seed: int = 0,
                curriculum: Sequence[tuple[int, int]] = (), *, evidence_fraction: float = 0.0,
@@ -214,19 +215,8 @@ class LongDocIterator:
         out["loss_mask"][i] = np.where(answer, self.answer_weight, out["loss_mask"][i])
     return out
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    out = self.batch(self.step)
-    self.step += 1
-    return out
-
-  def get_state(self) -> dict:
-    return {"step": self.step, "seed": self.seed, "data": self.docs.fingerprint()}
-
-  def set_state(self, state: dict) -> None:
-    self.step = corpus_lib.restored_step(state, self.docs.fingerprint(), self.seed)
+  def fingerprint(self) -> dict:
+    return self.docs.fingerprint()
 
 
 def whole_documents(row: np.ndarray) -> list[tuple[int, int]]:

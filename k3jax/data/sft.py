@@ -351,8 +351,8 @@ def batch_rows(num_rows: int, seed: int, step: int, batch_size: int) -> np.ndarr
   return np.array([perms[int(e)][p] for e, p in zip(epochs, pos)], np.int64)
 
 
-class SFTIterator:
-  """Checkpointable SFT batches: `next(it)` yields the batch of `it.step` (module doc)."""
+class SFTIterator(corpus.StepIterator):
+  """Checkpointable SFT batches (`corpus.StepIterator`; module doc)."""
 
   def __init__(self, packed: Packed, batch_size: int, seed: int = 0):
     if packed.num_rows == 0:
@@ -372,19 +372,8 @@ class SFTIterator:
     p = self.packed
     return rows_to_batch(p.tokens[r], p.assistant[r], p.segment_ids[r])
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    out = self.batch(self.step)
-    self.step += 1
-    return out
-
-  def get_state(self) -> dict:
-    return {"step": self.step, "seed": self.seed, "data": self.packed.fingerprint()}
-
-  def set_state(self, state: dict) -> None:
-    self.step = corpus.restored_step(state, self.packed.fingerprint(), self.seed)
+  def fingerprint(self) -> dict:
+    return self.packed.fingerprint()
 
 
 def eval_batches(packed: Packed, num_batches: int, batch_size: int) -> list[dict]:
@@ -487,8 +476,9 @@ def encode_media(vision_config, conv: chat.Conversation, images,
   return captions.Encoded(arrays, pv, grid)
 
 
-class MediaSFTIterator:
-  """Checkpointable SFT batches of media conversations drawn from a generator.
+class MediaSFTIterator(corpus.StepIterator):
+  """Checkpointable SFT batches of media conversations drawn from a generator
+  (`corpus.StepIterator`).
 
   `make(rng)` → (Conversation, images) (encoded with [BOS] when `bos`); row b of step s packs the conversations drawn from
   `default_rng([seed, 0, s, b])` until the next would not fit `seq_len` tokens or `length`
@@ -520,22 +510,8 @@ class MediaSFTIterator:
           self.seq_len, self.length, "a conversation"))
     return captions.pack_rows(self.vision_config, rows, self.seq_len, self.length)
 
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    out = self.batch(self.step)
-    self.step += 1
-    return out
-
   def fingerprint(self) -> dict:
     return {"source": self.name, "seq_len": self.seq_len, "media_length": self.length}
-
-  def get_state(self) -> dict:
-    return {"step": self.step, "seed": self.seed, "data": self.fingerprint()}
-
-  def set_state(self, state: dict) -> None:
-    self.step = corpus.restored_step(state, self.fingerprint(), self.seed)
 
 
 def media_eval_batches(vision_config, items, batch_size: int, seq_len: int, length: int,
