@@ -19,7 +19,8 @@ Prints a table and one JSON line (also written to --json_out).
   python -m experiments.bench_decode --hybrid_prefill=8192,32768 --json_out=FILE
 
 measures only a chunked prefill of a 2-layer tiny hybrid (KDA + MLA) through the serving path
-(`hybrid_prefill`): seconds, µs/token, cache bytes and peak RSS per length.
+(`hybrid_prefill`): seconds, µs/token, cache bytes and peak RSS per length; with
+--prefill_key_block=N the MLA reads its cache N slots at a time (`modes.mla_key_block`).
 
   python -m experiments.bench_decode --k3_shaped --json_out=FILE
   python -m experiments.bench_decode --packed --json_out=FILE
@@ -63,6 +64,9 @@ _HYBRID = flags.DEFINE_string("hybrid_prefill", None, "Only: chunked prefill of 
                               "lengths (comma separated; chunks of --long_chunk)")
 _PREFILL_KDA_ONLY = flags.DEFINE_bool("prefill_kda_only", False, "--hybrid_prefill with "
                                       "both layers KDA (no MLA, no MTP): linear time")
+_PREFILL_KEY_BLOCK = flags.DEFINE_integer("prefill_key_block", 0, "--hybrid_prefill with "
+                                          "modes.mla_key_block = this (0: None): the cache "
+                                          "read in key blocks, later blocks skipped")
 _K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
                                "Only the decode compile/step time of a 93-layer K3-shaped stack "
                                "with tiny widths.")
@@ -155,7 +159,8 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
   return res
 
 
-def hybrid_prefill(lengths, chunk: int, kda_only: bool = False) -> dict:
+def hybrid_prefill(lengths, chunk: int, kda_only: bool = False,
+                   key_block: int | None = None) -> dict:
   """Chunked prefill through the serving path (`generate.prefill`: one compiled [1, chunk]
   forward over a cache preallocated for the whole prompt) of a 2-layer `tiny` hybrid — a KDA
   layer (dense MLP) and an MLA layer (MoE), plus the MTP layer — at each length, ascending, in
@@ -164,11 +169,14 @@ def hybrid_prefill(lengths, chunk: int, kda_only: bool = False) -> dict:
   cache (fixed KDA states + the MLA latents of `length` tokens) and one chunk's activations;
   the time is quadratic, since each chunk's absorbed attention reads the whole preallocated
   latent buffer. `kda_only`: the same 2 layers as KDA layers (`kda_only=True`: no MLA, the
-  MTP layer's attention is still MLA over its own cache): linear time."""
+  MTP layer's attention is still MLA over its own cache): linear time. `key_block`:
+  `modes.mla_key_block` — the absorbed attention reads the buffer in blocks of that many
+  slots and skips those after the chunk's last position (memory bounded by a block, time by
+  the tokens so far)."""
   from k3jax.serve import generate as G
   from k3jax.config import preset
   kda = dict(kda_only=True, mla_every=3, mla_last=False, num_mtp_layers=0) if kda_only else {}
-  cfg = preset("tiny", num_layers=2, **kda)
+  cfg = preset("tiny", num_layers=2, mla_key_block=key_block, **kda)
   v = _variables(cfg)
   rng = np.random.default_rng(0)
   rows = []
@@ -192,6 +200,7 @@ def hybrid_prefill(lengths, chunk: int, kda_only: bool = False) -> dict:
   return {"config": ("tiny, 2 KDA layers (dense, MoE), no MTP" if kda_only else
                      "tiny, 2 layers (KDA + dense, MLA + MoE) + MTP"), "path":
           "generate.prefill (chunked, cache preallocated for the prompt)", "chunk": chunk,
+          "mla_key_block": key_block,
           "backend": jax.default_backend(), "layout": cfg.text.stack_layout(),
           "rows": rows, "load1": os.getloadavg()[0]}
 
@@ -207,7 +216,8 @@ def main(argv):
   del argv
   if _HYBRID.value:
     _emit(hybrid_prefill([int(c) for c in _HYBRID.value.split(",")], _LONG_CHUNK.value,
-                         kda_only=_PREFILL_KDA_ONLY.value))
+                         kda_only=_PREFILL_KDA_ONLY.value,
+                         key_block=_PREFILL_KEY_BLOCK.value or None))
     return
   if _PACKED.value:
     contexts = [int(c) for c in (_CONTEXTS.value or "1024,8192").split(",")]

@@ -437,8 +437,10 @@ class RunModes:
   # Long rows: an int runs training/prefill attention straight from the latents in blocks of
   # this many keys (ops/mla_blockwise.py: keys/values expanded one block at a time, online
   # softmax, causal blocks skipped); under a context mesh the latents (kv_lora_rank + rope
-  # numbers a token) are all-gathered instead of the expanded keys and values. None: the
-  # materialised form above.
+  # numbers a token) are all-gathered instead of the expanded keys and values. The serving
+  # path (decode, chunked prefill) then reads its cache buffer in key blocks of this size too,
+  # skipping those after the last new position. None: the materialised form above, and the
+  # whole buffer at once when serving.
   mla_key_block: int | None = None
   # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
   moe_capacity_factor: float | None = None

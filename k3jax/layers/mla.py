@@ -12,7 +12,7 @@ Decoding: with `cache` (an `MLACache`: the normalised latent and the shared key 
 cached token, in a buffer preallocated for max_len tokens) and a `Feed`, the new tokens'
 latents are written at their positions and the queries attend the buffer in the absorbed form
 (`ops.mla.mla_absorbed_attention`: kv_b folded into the query and the output; no per-head keys
-or values are materialised).
+or values are materialised), in key blocks of `modes.mla_key_block` when set.
 """
 
 from __future__ import annotations
@@ -148,9 +148,11 @@ class MLA(nn.Module):
     q = self.query(x)
     # [L,H,nope+V]; an adapted kv_b folds its adapter in (W + s·A·B, docs/notes/lora.md)
     kv_b = effective_kernel(self.kv_b_proj).astype(dtype_of(cfg.modes.dtype))
+    # With mla_key_block the buffer is read a key block at a time and the blocks after the
+    # last new position are skipped: a long prefill's chunk costs what is written so far.
     o, _ = mla_absorbed_attention(q[..., :n], q[..., n:], new.c_kv, new.k_rope, kv_b[..., :n],
                                   kv_b[..., n:], scale=cfg.text.qk_head_dim ** -0.5,
-                                  query_positions=pos)
+                                  query_positions=pos, key_block=cfg.modes.mla_key_block)
     return self.output(x, o), new
 
 

@@ -166,6 +166,39 @@ def test_absorbed_equals_materialised(shape, packed, seed):
   np.testing.assert_allclose(mx, ref_mx, rtol=1e-4, atol=1e-4)
 
 
+_blocked = jax.jit(mla.mla_absorbed_attention, static_argnames=("scale", "key_block"))
+
+
+@pytest.mark.parametrize("key_block", [4, 8, 64])
+def test_absorbed_key_blocks_equal_one_block(key_block):
+  """The absorbed attention over a decode-like buffer (S = 37 slots, per-row query positions,
+  invalid slots, two documents) in key blocks — 4 and 8 do not divide 37 (the last block
+  overlaps the one before, masked); 64 ≥ S is the one-block path — equals the unblocked form,
+  outputs, max logit and the gradients of every input."""
+  rng = np.random.default_rng(key_block)
+  b, t, h, n, r, lat, dv, s = 2, 3, 3, 4, 2, 6, 5, 37
+  args = [rng.normal(size=shp).astype(np.float32) for shp in
+          [(b, t, h, n), (b, t, h, r), (b, s, lat), (b, s, r), (lat, h, n), (lat, h, dv)]]
+  # row 0: queries at 9..11 (blocks after the third are skipped); row 1: at 20, 21, 36 (the
+  # last slot: the overlapping last block is read)
+  qpos = jnp.asarray([[9, 10, 11], [20, 21, 36]], jnp.int32)
+  kv_mask = jnp.asarray(rng.random((b, s)) > 0.2)
+  seg = jnp.asarray((np.arange(s)[None] >= np.array([[5], [25]])).astype(np.int32))
+  kw = dict(scale=0.3, query_positions=qpos, kv_mask=kv_mask, segment_ids=seg)
+  ref, ref_mx = _blocked(*args, key_block=None, **kw)
+  got, mx = _blocked(*args, key_block=key_block, **kw)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mx, ref_mx, rtol=1e-6, atol=1e-6)
+  assert float(jnp.abs(ref).max()) > 0.1
+  cot = jnp.asarray(rng.normal(size=ref.shape), jnp.float32)
+  grad = lambda kb: jax.grad(lambda a: jnp.sum(mla.mla_absorbed_attention(  # noqa: E731
+      *a, key_block=kb, **kw)[0] * cot))(args)
+  for g, rg in zip(grad(key_block), grad(None)):
+    np.testing.assert_allclose(g, rg, rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="key_block"):
+    mla.mla_absorbed_attention(*args, key_block=0, **kw)
+
+
 def test_bad_inputs():
   z = jnp.zeros((1, 4, 2, 8))
   with pytest.raises(ValueError, match="rank 4"):
