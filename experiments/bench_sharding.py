@@ -931,14 +931,27 @@ def run(a: flags.FlagValues) -> None:
         if a.target != "tpu" or "RESOURCE_EXHAUSTED" not in str(e):
           raise
         msg = [l for l in str(e).splitlines() if "RESOURCE_EXHAUSTED" in l][-1].strip()
+        what = dict(layout=a.layout or LAYOUTS.get(n), seq_len=recipe(n, "seq_len"),
+                    per_device_batch=a.per_device_batch,
+                    param_dtype=recipe(n, "param_dtype"),
+                    mu_dtype=recipe(n, "mu_dtype") or "params",
+                    offload_momentum=recipe(n, "offload_momentum"))
+        if a.stage:   # what the child compiled: the stage's own layout, length and batch
+          srun, st_layout, st_batch = stage_config(
+              a.stage, a.num_layers or None, modes=parse_modes(a.stage_modes),
+              fsdp_over_context=None if a.fsdp_over_context is None
+              else a.fsdp_over_context == "true")
+          what = dict(layout=layout or st_layout, seq_len=srun.train.seq_len,
+                      per_device_batch=st_batch, param_dtype=srun.model.modes.param_dtype,
+                      mu_dtype=srun.optim.mu_dtype or "params",
+                      offload_momentum=srun.optim.offload_momentum)
         results.append(dict(part="memory", target="tpu", devices=n, preset=a.preset,
-                            num_layers=a.num_layers or None, layout=a.layout or LAYOUTS.get(n),
+                            num_layers=a.num_layers or None, layout=what["layout"],
                             topology=a.topology or TOPOLOGIES.get(n),
-                            optimizer=a.optimizer, seq_len=recipe(n, "seq_len"),
-                            per_device_batch=a.per_device_batch,
-                            param_dtype=recipe(n, "param_dtype"),
-                            mu_dtype=recipe(n, "mu_dtype") or "params",
-                            offload_momentum=recipe(n, "offload_momentum"), error=msg,
+                            optimizer=a.optimizer, seq_len=what["seq_len"],
+                            per_device_batch=what["per_device_batch"],
+                            param_dtype=what["param_dtype"], mu_dtype=what["mu_dtype"],
+                            offload_momentum=what["offload_momentum"], error=msg,
                             stage=a.stage, stage_modes=parse_modes(a.stage_modes),
                             fsdp_over_context=a.fsdp_over_context, fits=False,
                             **_hbm_required(msg)))
