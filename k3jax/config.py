@@ -442,6 +442,11 @@ class RunModes:
   # skipping those after the last new position. None: the materialised form above, and the
   # whole buffer at once when serving.
   mla_key_block: int | None = None
+  # The trainer's MTP loss runs the MTP layer on all T positions (the last a masked stand-in,
+  # `K3Model(mtp_full=True)`), sharded over `context` like the trunk; False: on the T−1 real
+  # ones, which no context axis divides, so every context chip holds the whole row's MTP
+  # activations (at 1M on 128 chips: 371 GiB of temporaries a chip, docs/results.md).
+  mtp_full_length: bool = True
   # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
   moe_capacity_factor: float | None = None
 

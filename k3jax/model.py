@@ -22,7 +22,11 @@ draft_fuse(concat of the chosen AttnRes blocks' representations) instead) and
 enorm(embed(token t+1)) through eh_proj, runs one MLA+MoE decoder layer with plain residuals
 (`mtp_document_ids`: a position whose two tokens lie in different documents is a document of
 its own), a norm, and the shared lm_head:
-`mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding).
+`mtp_logits[:, t]` predicts token t+2; shape [B, T−1, vocab] (no padding). With `mtp_full`
+the layer runs on all T positions — the last on a stand-in next token (its own), in a document
+of its own, so nothing sees it and it sees nothing — and returns [B, T, vocab], whose last
+position the caller masks: T divides over the `context` axis where T−1 never does, so the MTP
+layer shards like the trunk (the trainer's loss, `RunModes.mtp_full_length`).
 
 Packing: `segment_ids` become document indices (`document_ids`: a new document wherever the id
 changes), and a document's logits are bit-for-bit independent of the other documents (every
@@ -272,23 +276,27 @@ def document_ids(segment_ids):
   return jnp.cumsum(change, axis=1).astype(jnp.int32)
 
 
-def mtp_document_ids(doc_ids):
+def mtp_document_ids(doc_ids, stand_in_last: bool = False):
   """Document indices [B,T] → those of the T−1 MTP positions [B,T−1]. Position t reads h_t and
   token t+1, so it belongs to the pair (document of t, document of t+1); a position whose two
   tokens lie in different documents is a document of its own (it sees no other position, and
   no position of either neighbour sees it). The pair changes between t−1 and t exactly when
-  the document changes at t or at t+1."""
+  the document changes at t or at t+1. `stand_in_last`: [B,T], position T−1 (whose next
+  token is a stand-in, `K3Model(mtp_full=True)`) a document of its own."""
   change = doc_ids[:, 1:] != doc_ids[:, :-1]                      # [B,T−1]: at tokens 1..T−1
   starts = change | jnp.pad(change[:, :-1], ((0, 0), (1, 0)))      # at t+1, or at t
   starts = starts.at[:, 0].set(False)
+  if stand_in_last:
+    starts = jnp.concatenate([starts, jnp.ones_like(starts[:, :1])], axis=1)
   return jnp.cumsum(starts, axis=1).astype(jnp.int32)
 
 
 class K3Model(nn.Module):
   """The language model. See the module docstring.
 
-  __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False, media=None)
-    → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab]) with return_mtp.
+  __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False, media=None,
+    mtp_full=False) → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab])
+    with return_mtp ([B,T,vocab] with mtp_full: the last position is a stand-in, to mask).
   extend(tokens [B,T], cache, num_new [B], media=None) → (logits, hidden [B,T,d] fp32 (the
     draft's feature input), cache): decoding.
   draft(hidden [B,T,d], next_tokens [B,T], cache, num_new [B], return_hidden=False) → (MTP
@@ -337,7 +345,7 @@ class K3Model(nn.Module):
                                    self.config.text.num_layers)]
 
   def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False,
-               media: Media | None = None):
+               media: Media | None = None, mtp_full: bool = False):
     cfg = self.config
     _check_tokens(tokens, cfg.text.vocab_size, segment_ids)
     if segment_ids is not None:
@@ -348,6 +356,14 @@ class K3Model(nn.Module):
     h, _, feats = self._stack(x, segment_ids)
     logits = self._head(h)
     if cfg.text.num_mtp_layers and (return_mtp or self.is_initializing()):
+      if return_mtp and mtp_full:
+        # All T positions, sharded over context like the trunk (module doc).
+        docs = jnp.zeros_like(tokens) if segment_ids is None else segment_ids
+        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+        mtp_in = sharding.constrain_activations(
+            (self._draft_input(h, feats), self.embed_tokens(nxt)))
+        seg = mtp_document_ids(docs, stand_in_last=True)
+        return logits, self._head(self.mtp(*mtp_in, seg)[0], normed=True)
       if return_mtp:
         seg = None if segment_ids is None else mtp_document_ids(segment_ids)
         # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides

@@ -389,6 +389,24 @@ def test_tied_embeddings_mtp_tree_and_remat_trace():
   assert jax.tree.map(lambda a: a.shape, grads) == jax.tree.map(lambda a: a.shape, v["params"])
 
 
+def test_mtp_full_length_equals_the_shifted_positions():
+  """`mtp_full`: the MTP layer on all T positions (the last on a stand-in, in a document of its
+  own) gives the T−1 real positions' logits of `return_mtp` alone (packed rows, 2 layers:
+  KDA + dense, MLA + MoE, dropless), and a last position that is finite."""
+  cfg = preset("tiny", num_layers=2)
+  model = K3Model(cfg)
+  tokens = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.text.vocab_size)
+  v = random_variables(model, tokens)
+  fwd = jax.jit(lambda v, full: model.apply(v, tokens, segment_ids=PACKED, return_mtp=True,
+                                            mtp_full=full), static_argnums=1)
+  logits, shifted = fwd(v, False)
+  logits_full, full = fwd(v, True)
+  assert shifted.shape == (B, T - 1, cfg.text.vocab_size)
+  assert full.shape == (B, T, cfg.text.vocab_size) and np.isfinite(np.asarray(full)).all()
+  np.testing.assert_array_equal(logits_full, logits)
+  assert _rel_err(full[:, :T - 1], np.asarray(shifted, np.float64)) <= 1e-6
+
+
 # Parameter groups along which the gradients are checked against the float64 reference.
 _GRAD_GROUPS = ("self_attn", "block_sparse_moe", "mlp", "_res", "mtp", "embed_tokens", "lm_head")
 

@@ -170,7 +170,8 @@ def lm_loss(config: ModelConfig, mtp_weight: float = 0.3) -> Loss:
 
   def fn(variables, batch, totals):
     out, mut = model.apply(variables, batch["inputs"], segment_ids=batch["segment_ids"],
-                           return_mtp=use_mtp, mutable=["stats"], media=batch.get("media"))
+                           return_mtp=use_mtp, mutable=["stats"], media=batch.get("media"),
+                           mtp_full=use_mtp and config.modes.mtp_full_length)
     logits, mtp_logits = out if use_mtp else (out, None)
     n_all, n2_all = totals
     s, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
@@ -178,7 +179,10 @@ def lm_loss(config: ModelConfig, mtp_weight: float = 0.3) -> Loss:
     value, mtp_ce = ce, jnp.zeros([], jnp.float32)
     if use_mtp:
       t = mtp_logits.shape[1]
-      s2, _ = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], batch["mtp_mask"][:, :t])
+      mask = batch["mtp_mask"][:, :t]
+      if t == batch["inputs"].shape[1]:      # mtp_full: the last position is a stand-in
+        mask = mask * (jnp.arange(t) < t - 1)
+      s2, _ = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], mask)
       mtp_ce = s2 / n2_all
       value = ce + mtp_weight * mtp_ce
     return value, {"metrics": {"ce": ce, "mtp_ce": mtp_ce},
