@@ -235,6 +235,8 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   batch_size = per_device_batch * sharding.axis_size(mesh, sharding.BATCH_AXES)
   if stage_run is None:
     config = _model_config(preset_name, num_layers, param_dtype)
+    if stage_modes:   # the same overrides without a stage: of the plain recipe's modes
+      config = config.replace(**stage_modes)
     # muon False: AdamW for the matrices too (the trainer's baseline).
     run = RunConfig(model=config, train=TrainConfig(batch_size=batch_size, seq_len=seq_len),
                     optim=OptimConfig(muon=muon, mu_dtype=mu_dtype,
@@ -841,8 +843,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_enum("stage", None, list(STAGES), "memory part: compile configs/k3.py's "
                     "curriculum stage (its seq_len, tokens per chip, layout, run modes and "
                     "offload; --layout/--devices/--topology for another slice)", **fv)
-  flags.DEFINE_string("stage_modes", None, "memory part with --stage: RunModes overrides "
-                      "'remat_offload=false,mla_key_block=2048' (attempts)", **fv)
+  flags.DEFINE_string("stage_modes", None, "memory part: RunModes overrides "
+                      "'remat_offload=false,mla_key_block=2048' (attempts) of the --stage's "
+                      "modes, or without --stage of the preset's", **fv)
   flags.DEFINE_enum("fsdp_over_context", None, ["true", "false"], "memory part: params and "
                     "optimizer state also sharded over `context` (default: the stage's)", **fv)
   flags.DEFINE_string("out", None, "also write the JSON object to this path", **fv)
