@@ -51,6 +51,10 @@ DOCUMENTED = [
     "--part memory --stage 256K --stage_modes remat_offload=false,mla_key_block=2048 "
     "--fsdp_over_context false",
     "--part memory --stage 1M --num_layers 9 --stage_modes num_mtp_layers=0",
+    "--part memory --stage 1M --stage_modes mtp_full_length=false",
+    "--part memory --target cpu --devices 8 --preset tiny --num_layers 2 --seq_len 8192 "
+    "--per_device_batch 1 --layout data=1,fsdp=1,expert=1,context=8 --stage_modes "
+    "mtp_full_length=true,mla_key_block=1024,mla_query_block=1024",
     "--part inference --devices 64 --inf_batch 64 --inf_max_len 1048576",
     "--part cache --inf_max_len 1048576 --out docs/results/long_context/decode_cache_1m.json",
 ]
@@ -170,6 +174,32 @@ def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
   assert r["flops_per_chip"] > 0 and r["bytes_accessed_per_chip"] > 0
   assert r["tokens_per_chip_per_step"] == 16
   assert r["flops_per_token"] == pytest.approx(r["flops_per_chip"] / 16)
+
+
+def test_a_refused_stage_records_the_stage(monkeypatch, capsys):
+  """XLA:TPU's refusal (RESOURCE_EXHAUSTED) is a result: for --stage it is recorded with what
+  the child compiled — the stage's layout, length, sequences per chip and optimizer offload —
+  and the temporaries XLA asked for (the compile itself is replaced by the refusal)."""
+  import json
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: object() if name == "libtpu" else real(name, *a))
+
+  def refuse(args, devices):
+    raise RuntimeError("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory on "
+                       "HBM, the total memory required for HLO temporaries (371.15G) exceeds "
+                       "available HBM (95.74G).")
+
+  monkeypatch.setattr(bench, "_subprocess", refuse)
+  _run("--part", "memory", "--stage", "1M", "--num_layers", "9", "--stage_modes",
+       "mtp_full_length=false")
+  (r,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()
+          if l.startswith("{")][-1]["results"]
+  _, layout, per_chip = bench.stage_config("1M", 9)
+  assert r["layout"] == layout and layout["context"] == 128 and r["devices"] == 2048
+  assert (r["seq_len"], r["per_device_batch"]) == (1048576, per_chip)
+  assert r["offload_momentum"] is True and r["fits"] is False
+  assert r["refused_temp_gib"] == 371.15 and r["stage_modes"] == {"mtp_full_length": False}
 
 
 def test_stage_config_is_the_config_s_stage():
