@@ -144,15 +144,23 @@ def parse_layout(text: str) -> dict[str, int]:
 
 def parse_modes(text: str | None) -> dict:
   """'remat_offload=false,mla_key_block=2048' -> {'remat_offload': False, 'mla_key_block':
-  2048} (ints, true/false, none)."""
+  2048} (ints, floats, true/false, none; anything else a string)."""
   out = {}
   for item in filter(None, (t.strip() for t in (text or "").split(","))):
     name, sep, val = item.partition("=")
     if not sep:
       raise ValueError(f"--stage_modes: expected field=value pairs, found {item!r}")
     v = val.strip().lower()
-    out[name.strip()] = (True if v == "true" else False if v == "false" else None
-                         if v == "none" else int(v) if v.lstrip("-").isdigit() else val.strip())
+    if v in ("true", "false", "none"):
+      out[name.strip()] = {"true": True, "false": False, "none": None}[v]
+      continue
+    try:
+      out[name.strip()] = int(v)
+    except ValueError:
+      try:
+        out[name.strip()] = float(v)
+      except ValueError:
+        out[name.strip()] = val.strip()
   return out
 
 

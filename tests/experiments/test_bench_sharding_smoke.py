@@ -235,6 +235,8 @@ def test_stage_config_is_the_config_s_stage():
     bench.stage_config("8K", modes=dict(bogus=1))
   assert bench.parse_modes("remat_offload=false, mla_key_block=2048,x=none") == dict(
       remat_offload=False, mla_key_block=2048, x=None)
+  assert bench.parse_modes("moe_capacity_factor=1.0,dtype=bfloat16") == dict(
+      moe_capacity_factor=1.0, dtype="bfloat16")
   assert bench._hbm_required("RESOURCE_EXHAUSTED: ... HLO temporaries (215.86G) exceeds "
                              "available HBM (94.75G).") == {"refused_temp_gib": 215.86}
   assert bench._hbm_required("RESOURCE_EXHAUSTED: Ran out of memory") == {}
