@@ -447,6 +447,11 @@ class RunModes:
   # ones, which no context axis divides, so every context chip holds the whole row's MTP
   # activations (at 1M on 128 chips: 371 GiB of temporaries a chip, docs/results.md).
   mtp_full_length: bool = True
+  # The trainer's cross-entropy (and the MTP layer's) over the vocabulary in this many strided
+  # token chunks (token t in chunk t mod n; each chunk's logits recomputed in the backward):
+  # [B, T/n, vocab] logits at a time instead of [B, T, vocab]. None: all at once. T (and, with
+  # the MTP layer, mtp_full_length) must allow it; the loss is the same sum in another order.
+  ce_chunks: int | None = None
   # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
   moe_capacity_factor: float | None = None
 
@@ -505,6 +510,9 @@ class RunModes:
         not isinstance(self.mla_key_block, int) or isinstance(self.mla_key_block, bool)
         or self.mla_key_block <= 0):
       bad("mla_key_block", f"expected a positive int or None, found {self.mla_key_block!r}")
+    if self.ce_chunks is not None and (not isinstance(self.ce_chunks, int)
+                                       or isinstance(self.ce_chunks, bool) or self.ce_chunks <= 0):
+      bad("ce_chunks", f"expected a positive int or None, found {self.ce_chunks!r}")
     if self.remat_offload and not self.remat:
       bad("remat_offload", "offloads what remat keeps: set remat=True too")
     if self.kernel_backend not in ("xla", "pallas", "auto"):

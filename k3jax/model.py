@@ -296,7 +296,8 @@ class K3Model(nn.Module):
 
   __call__(tokens [B,T] int, *, segment_ids [B,T] int | None, return_mtp=False, media=None,
     mtp_full=False) → logits fp32 [B,T,vocab], or (logits, mtp_logits fp32 [B,T−1,vocab])
-    with return_mtp ([B,T,vocab] with mtp_full: the last position is a stand-in, to mask).
+    with return_mtp ([B,T,vocab] with mtp_full: the last position is a stand-in, to mask);
+    return_hidden: the head's inputs (fp32 [B,T,d], after the final norm) in place of logits.
   extend(tokens [B,T], cache, num_new [B], media=None) → (logits, hidden [B,T,d] fp32 (the
     draft's feature input), cache): decoding.
   draft(hidden [B,T,d], next_tokens [B,T], cache, num_new [B], return_hidden=False) → (MTP
@@ -345,7 +346,8 @@ class K3Model(nn.Module):
                                    self.config.text.num_layers)]
 
   def __call__(self, tokens, *, segment_ids=None, return_mtp: bool = False,
-               media: Media | None = None, mtp_full: bool = False):
+               media: Media | None = None, mtp_full: bool = False,
+               return_hidden: bool = False):
     cfg = self.config
     _check_tokens(tokens, cfg.text.vocab_size, segment_ids)
     if segment_ids is not None:
@@ -354,7 +356,14 @@ class K3Model(nn.Module):
       raise ValueError("K3Model: return_mtp=True needs config.text.num_mtp_layers=1, found 0")
     x = self._embed(tokens, media)
     h, _, feats = self._stack(x, segment_ids)
-    logits = self._head(h)
+    # return_hidden: the head's inputs (after the final norm) instead of its logits, for a
+    # loss that applies the head a chunk of tokens at a time (train/step.py, ce_chunks).
+    def head(y, normed=False):
+      if not return_hidden:
+        return self._head(y, normed)
+      return y if normed else self.norm(y)
+
+    logits = head(h)
     if cfg.text.num_mtp_layers and (return_mtp or self.is_initializing()):
       if return_mtp and mtp_full:
         # All T positions, sharded over context like the trunk (module doc).
@@ -363,7 +372,7 @@ class K3Model(nn.Module):
         mtp_in = sharding.constrain_activations(
             (self._draft_input(h, feats), self.embed_tokens(nxt)))
         seg = mtp_document_ids(docs, stand_in_last=True)
-        return logits, self._head(self.mtp(*mtp_in, seg)[0], normed=True)
+        return logits, head(self.mtp(*mtp_in, seg)[0], normed=True)
       if return_mtp:
         seg = None if segment_ids is None else mtp_document_ids(segment_ids)
         # T−1 positions: batch-sharded only (a context axis > 1 that divides T never divides
@@ -372,7 +381,7 @@ class K3Model(nn.Module):
         mtp_in = sharding.constrain_activations(
             (self._draft_input(h, feats)[:, :-1], self.embed_tokens(tokens[:, 1:])),
             context=False)
-        return logits, self._head(self.mtp(*mtp_in, seg)[0], normed=True)
+        return logits, head(self.mtp(*mtp_in, seg)[0], normed=True)
       self.mtp(self._draft_input(h, feats), x, segment_ids)  # init: the MTP params for any T
     return logits
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from k3jax import sharding
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, dtype_of
 from k3jax.model import K3Model
 from k3jax.train.balance import flat_stats
 from k3jax.train import optim
@@ -153,6 +153,42 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   return jnp.sum((lse - tgt) * mask), jnp.sum(mask)
 
 
+def head_matrix(config: ModelConfig, params) -> jax.Array:
+  """The output head as [d, vocab] (tied: the token table transposed), as `K3Model._head`
+  applies it: both operands in the compute dtype."""
+  if config.text.tie_word_embeddings:
+    return params["embed_tokens"]["embedding"].T
+  return params["lm_head"]["kernel"]
+
+
+def chunked_cross_entropy(h: jax.Array, w: jax.Array, targets: jax.Array, mask: jax.Array,
+                          chunks: int, dtype):
+  """`cross_entropy` of the logits (h·w) fp32 — h [B,T,d] the head's input, w [d,vocab] —
+  over `chunks` strided token chunks: chunk j holds tokens j, j+n, j+2n, … (a reshape that
+  keeps T's sharding over `context`: every chunk takes its share from every shard). Each
+  chunk's logits [B,T/n,vocab] are formed, reduced and dropped (`jax.checkpoint`: the backward
+  forms them again), so the head never holds [B,T,vocab]. Returns (Σ CE, Σ mask) fp32."""
+  b, t, d = h.shape
+  if t % chunks:
+    raise ValueError(f"modes.ce_chunks={chunks} must divide the sequence length {t}")
+
+  def split(x):   # [B,T,...] → [n,B,T/n,...]: token t = i·n + j goes to chunk j
+    return jnp.moveaxis(x.reshape(b, t // chunks, chunks, *x.shape[2:]), 2, 0)
+
+  @jax.checkpoint
+  def one(hc, tc, mc):
+    logits = jnp.dot(hc.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+    return cross_entropy(logits, tc, mc)
+
+  def body(acc, xs):
+    s, n = one(*xs)
+    return (acc[0] + s, acc[1] + n), None
+
+  zero = jnp.zeros([], jnp.float32)
+  (s, n), _ = jax.lax.scan(body, (zero, zero), (split(h), split(targets), split(mask)))
+  return s, n
+
+
 def token_counts(batch: dict, use_mtp: bool):
   """(max(1, Σ loss_mask), max(1, Σ mtp_mask over the MTP positions)) in fp32."""
   n = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -167,14 +203,27 @@ def lm_loss(config: ModelConfig, mtp_weight: float = 0.3) -> Loss:
   """The language-model loss (module doc); metrics "ce" and "mtp_ce" (nats/token)."""
   use_mtp = bool(config.text.num_mtp_layers) and mtp_weight > 0
   model = K3Model(config)
+  chunks = config.modes.ce_chunks
+  if chunks and use_mtp and not config.modes.mtp_full_length:
+    raise ValueError("modes.ce_chunks: the MTP loss is chunked over all T positions; set "
+                     "modes.mtp_full_length=True (T−1 positions do not divide into chunks)")
+  dtype = dtype_of(config.modes.dtype)
+
+  def ce_of(out, variables, targets, mask):
+    """CE sum of the model's head output: logits, or with ce_chunks the head's input."""
+    if not chunks:
+      return cross_entropy(out, targets, mask)[0]
+    w = head_matrix(config, variables["params"])
+    return chunked_cross_entropy(out, w, targets, mask, chunks, dtype)[0]
 
   def fn(variables, batch, totals):
     out, mut = model.apply(variables, batch["inputs"], segment_ids=batch["segment_ids"],
                            return_mtp=use_mtp, mutable=["stats"], media=batch.get("media"),
-                           mtp_full=use_mtp and config.modes.mtp_full_length)
+                           mtp_full=use_mtp and config.modes.mtp_full_length,
+                           return_hidden=bool(chunks))
     logits, mtp_logits = out if use_mtp else (out, None)
     n_all, n2_all = totals
-    s, _ = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    s = ce_of(logits, variables, batch["targets"], batch["loss_mask"])
     ce = s / n_all
     value, mtp_ce = ce, jnp.zeros([], jnp.float32)
     if use_mtp:
@@ -182,7 +231,7 @@ def lm_loss(config: ModelConfig, mtp_weight: float = 0.3) -> Loss:
       mask = batch["mtp_mask"][:, :t]
       if t == batch["inputs"].shape[1]:      # mtp_full: the last position is a stand-in
         mask = mask * (jnp.arange(t) < t - 1)
-      s2, _ = cross_entropy(mtp_logits, batch["mtp_targets"][:, :t], mask)
+      s2 = ce_of(mtp_logits, variables, batch["mtp_targets"][:, :t], mask)
       mtp_ce = s2 / n2_all
       value = ce + mtp_weight * mtp_ce
     return value, {"metrics": {"ce": ce, "mtp_ce": mtp_ce},

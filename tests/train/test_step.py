@@ -139,3 +139,41 @@ def test_frozen_packed_experts_fine_tune():
     else:
       moved += bool(jnp.any(a != b))
   assert packed == 6 and moved > 10     # weight_packed + weight_scale of w1, w3, w2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_cross_entropy_is_the_loss_and_gradient_of_the_whole(tied):
+  """`modes.ce_chunks`: the head applied to 4 strided chunks of tokens at a time (its logits
+  recomputed in the backward) gives the loss, the CE / MTP CE metrics and every gradient of
+  the whole-vocabulary loss (lm_head, or the tied token table, included); bad settings are
+  refused."""
+  from k3jax.train.step import chunked_cross_entropy
+  cfg = preset("tiny", num_layers=2, mla_every=2, tie_word_embeddings=tied)
+  variables = init_variables(cfg, jax.random.PRNGKey(3))
+  batch = _batch()
+  totals = lambda c: lm_loss(c).totals(batch)  # noqa: E731
+
+  def grads(c):
+    loss = lm_loss(c)
+    return jax.jit(jax.value_and_grad(
+        lambda p: loss.fn({**variables, "params": p}, batch, totals(c)), has_aux=True))(
+            variables["params"])
+
+  (v1, aux1), g1 = grads(cfg)
+  (v2, aux2), g2 = grads(cfg.replace(ce_chunks=4))
+  assert aux1["metrics"]["mtp_ce"] > 1.0
+  np.testing.assert_allclose(v2, v1, rtol=1e-6)
+  for k in ("ce", "mtp_ce"):
+    np.testing.assert_allclose(aux2["metrics"][k], aux1["metrics"][k], rtol=1e-6, err_msg=k)
+  head = "embed_tokens" if tied else "lm_head"
+  assert float(jnp.abs(jax.tree.leaves(g1[head])[0]).max()) > 0
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g2)[0], jax.tree.leaves(g1)):
+    scale = float(jnp.abs(b).max()) + 1e-12
+    assert float(jnp.abs(a - b).max()) <= 1e-5 * scale, jax.tree_util.keystr(path)
+  with pytest.raises(ValueError, match="ce_chunks=5 must divide"):
+    chunked_cross_entropy(jnp.zeros((1, 16, 4)), jnp.zeros((4, 8)), jnp.zeros((1, 16), int),
+                          jnp.ones((1, 16)), 5, jnp.float32)
+  with pytest.raises(ValueError, match="mtp_full_length"):
+    lm_loss(cfg.replace(ce_chunks=4, mtp_full_length=False))
+  with pytest.raises(ValueError, match="ce_chunks"):
+    cfg.replace(ce_chunks=0)
