@@ -20,7 +20,10 @@ Prints a table and one JSON line (also written to --json_out).
 
 measures only a chunked prefill of a 2-layer tiny hybrid (KDA + MLA) through the serving path
 (`hybrid_prefill`): seconds, µs/token, cache bytes and peak RSS per length; with
---prefill_key_block=N the MLA reads its cache N slots at a time (`modes.mla_key_block`).
+--prefill_key_block=N the MLA reads its cache N slots at a time (`modes.mla_key_block`);
+--prefill_overrides=field=value,... changes the tiny preset's fields (e.g. the MLA's heads and
+latent width, so that a 1M-token prefill of the hybrid fits a CPU's afternoon: the code path is
+the same at any width).
 
   python -m experiments.bench_decode --k3_shaped --json_out=FILE
   python -m experiments.bench_decode --packed --json_out=FILE
@@ -48,6 +51,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import results, timing
+from experiments.bench_sharding import parse_modes
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small contexts/lengths (smoke mode).")
 _CONTEXTS = flags.DEFINE_string("contexts", None, "Decode contexts, comma separated.")
@@ -67,6 +71,9 @@ _PREFILL_KDA_ONLY = flags.DEFINE_bool("prefill_kda_only", False, "--hybrid_prefi
 _PREFILL_KEY_BLOCK = flags.DEFINE_integer("prefill_key_block", 0, "--hybrid_prefill with "
                                           "modes.mla_key_block = this (0: None): the cache "
                                           "read in key blocks, later blocks skipped")
+_PREFILL_OVERRIDES = flags.DEFINE_string(
+    "prefill_overrides", None, "--hybrid_prefill with these preset fields changed "
+    "('num_heads=1,kv_lora_rank=8'; ints, floats, true/false, none)")
 _K3_SHAPED = flags.DEFINE_bool("k3_shaped", False,
                                "Only the decode compile/step time of a 93-layer K3-shaped stack "
                                "with tiny widths.")
@@ -160,7 +167,7 @@ def packed_vs_float(contexts, steps: int, batch: int = 1) -> dict:
 
 
 def hybrid_prefill(lengths, chunk: int, kda_only: bool = False,
-                   key_block: int | None = None) -> dict:
+                   key_block: int | None = None, overrides: dict | None = None) -> dict:
   """Chunked prefill through the serving path (`generate.prefill`: one compiled [1, chunk]
   forward over a cache preallocated for the whole prompt) of a 2-layer `tiny` hybrid — a KDA
   layer (dense MLP) and an MLA layer (MoE), plus the MTP layer — at each length, ascending, in
@@ -172,11 +179,12 @@ def hybrid_prefill(lengths, chunk: int, kda_only: bool = False,
   MTP layer's attention is still MLA over its own cache): linear time. `key_block`:
   `modes.mla_key_block` — the absorbed attention reads the buffer in blocks of that many
   slots and skips those after the chunk's last position (memory bounded by a block, time by
-  the tokens so far)."""
+  the tokens so far). `overrides`: further `preset` fields (recorded in the result)."""
   from k3jax.serve import generate as G
   from k3jax.config import preset
   kda = dict(kda_only=True, mla_every=3, mla_last=False, num_mtp_layers=0) if kda_only else {}
-  cfg = preset("tiny", num_layers=2, mla_key_block=key_block, **kda)
+  cfg = preset("tiny", **{"num_layers": 2, "mla_key_block": key_block, **kda,
+                          **(overrides or {})})
   v = _variables(cfg)
   rng = np.random.default_rng(0)
   rows = []
@@ -200,7 +208,7 @@ def hybrid_prefill(lengths, chunk: int, kda_only: bool = False,
   return {"config": ("tiny, 2 KDA layers (dense, MoE), no MTP" if kda_only else
                      "tiny, 2 layers (KDA + dense, MLA + MoE) + MTP"), "path":
           "generate.prefill (chunked, cache preallocated for the prompt)", "chunk": chunk,
-          "mla_key_block": key_block,
+          "mla_key_block": key_block, "overrides": dict(overrides or {}),
           "backend": jax.default_backend(), "layout": cfg.text.stack_layout(),
           "rows": rows, "load1": os.getloadavg()[0]}
 
@@ -217,7 +225,9 @@ def main(argv):
   if _HYBRID.value:
     _emit(hybrid_prefill([int(c) for c in _HYBRID.value.split(",")], _LONG_CHUNK.value,
                          kda_only=_PREFILL_KDA_ONLY.value,
-                         key_block=_PREFILL_KEY_BLOCK.value or None))
+                         key_block=_PREFILL_KEY_BLOCK.value or None,
+                         overrides=parse_modes(_PREFILL_OVERRIDES.value,
+                                               "--prefill_overrides")))
     return
   if _PACKED.value:
     contexts = [int(c) for c in (_CONTEXTS.value or "1024,8192").split(",")]

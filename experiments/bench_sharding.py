@@ -142,14 +142,14 @@ def parse_layout(text: str) -> dict[str, int]:
   return out
 
 
-def parse_modes(text: str | None) -> dict:
+def parse_modes(text: str | None, flag: str = "--stage_modes") -> dict:
   """'remat_offload=false,mla_key_block=2048' -> {'remat_offload': False, 'mla_key_block':
-  2048} (ints, floats, true/false, none; anything else a string)."""
+  2048} (ints, floats, true/false, none; anything else a string); errors name `flag`."""
   out = {}
   for item in filter(None, (t.strip() for t in (text or "").split(","))):
     name, sep, val = item.partition("=")
     if not sep:
-      raise ValueError(f"--stage_modes: expected field=value pairs, found {item!r}")
+      raise ValueError(f"{flag}: expected field=value pairs, found {item!r}")
     v = val.strip().lower()
     if v in ("true", "false", "none"):
       out[name.strip()] = {"true": True, "false": False, "none": None}[v]

@@ -64,7 +64,7 @@ from k3jax.serve import grid
 from k3jax.serve.hybrid_cache import HybridPrefixCache
 from k3jax.serve.kv import DeviceState, Piece, Sampled
 from k3jax.serve.pages import NULL_PAGE, PageAllocator
-from k3jax.serve.sampling import SamplingParams, StopChecker
+from k3jax.serve.sampling import LOGPROBS, SamplingParams, StopChecker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +81,11 @@ class EngineConfig:
     cache entries (a multiple of prefill_chunk). boundary_token: the id after which a turn
     boundary lies (a chat's `[end_of_msg]`; None: none). prefix_cache: keep and use entries;
     num_checkpoints: device checkpoint slots; host_checkpoint_bytes: host offload budget.
-    num_top_logprobs: top log-probs reported per token. draft_len: speculative decoding with
-    the model's MTP / EAGLE-3 draft, this many drafted tokens per round (0: off;
-    k3jax/serve/kv_spec.py).
+    num_top_logprobs: top log-probs reported per token. logprobs: whose log-probs a token
+    reports: "model" (the model's own distribution, the default) or "sampling" (the
+    distribution the request samples from — its temperature, top-k and top-p — the behaviour
+    policy an RL update weighs against). draft_len: speculative decoding with the model's
+    MTP / EAGLE-3 draft, this many drafted tokens per round (0: off; k3jax/serve/kv_spec.py).
   """
   num_slots: int = 8
   tile_rows: int = 4
@@ -101,6 +103,7 @@ class EngineConfig:
   num_top_logprobs: int = 5
   draft_len: int = 0
   prefill_rows: int = 1
+  logprobs: str = "model"
 
   def __post_init__(self):
     def bad(field, msg):
@@ -128,6 +131,8 @@ class EngineConfig:
     for f in ("num_checkpoints", "host_checkpoint_bytes", "num_top_logprobs", "draft_len"):
       if getattr(self, f) < 0:
         bad(f, f"expected >= 0, found {getattr(self, f)}")
+    if self.logprobs not in LOGPROBS:
+      bad("logprobs", f"expected one of {LOGPROBS}, found {self.logprobs!r}")
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -262,7 +267,7 @@ class Engine:
                               page_size=ec.page_size,
                               num_checkpoints=ec.num_checkpoints if ec.prefix_cache else 0,
                               num_top=ec.num_top_logprobs, draft_len=ec.draft_len,
-                              prefill_rows=ec.prefill_rows)
+                              prefill_rows=ec.prefill_rows, logprobs=ec.logprobs)
     self.allocator = PageAllocator(ec.pool_pages)
     self.cache = HybridPrefixCache(self.device, self.allocator, ec.page_size,
                                    ec.num_checkpoints if ec.prefix_cache else 0,

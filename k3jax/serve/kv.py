@@ -42,7 +42,7 @@ from k3jax.cache import (commit_paged, kda_rows, kda_set_rows, kda_zeros, page_p
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.serve import kv_spec
-from k3jax.serve.sampling import sample_rows
+from k3jax.serve.sampling import LOGPROBS, sample_rows
 from k3jax.vision.media import MediaEmbeddings
 
 
@@ -73,7 +73,7 @@ class Sampled:
   top_logprobs: np.ndarray | None = None
 
 
-def _forward(config: ModelConfig, num_top: int, variables, kda, pools, table, lengths, tokens,
+def _forward(config: ModelConfig, num_top: int, logprobs: str, variables, kda, pools, table, lengths, tokens,
              num_new, seeds, counters, temperature, top_k, top_p, media=None):
   """`K3Model.extend` on the rows' paged cache (`media`: MediaEmbeddings for the placeholders
   among the tokens), then each row's sample at its last real input.
@@ -83,7 +83,8 @@ def _forward(config: ModelConfig, num_top: int, variables, kda, pools, table, le
                                            method=K3Model.extend)
   last = jnp.maximum(num_new - 1, 0)
   at_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  out = sample_rows(at_last, seeds, counters, temperature, top_k, top_p, num_top)
+  out = sample_rows(at_last, seeds, counters, temperature, top_k, top_p, num_top,
+                    logprobs=logprobs)
   kda, pools = commit_paged(after, pools, table, lengths, num_new, tokens.shape[1])
   return out, kda, pools
 
@@ -97,11 +98,13 @@ def _copy_page(pools, src, dst):
 
 
 @functools.lru_cache(maxsize=None)
-def programs(config: ModelConfig, num_top: int) -> dict:
+def programs(config: ModelConfig, num_top: int, logprobs: str = "model") -> dict:
   """The jitted programs of one config (shared by every engine of it: one compilation per
-  shape). State arguments are donated."""
+  shape); `logprobs`: the distribution whose log-probs a sample reports (`sample_rows`).
+  State arguments are donated."""
   return dict(
-      forward=jax.jit(functools.partial(_forward, config, num_top), donate_argnums=(1, 2)),
+      forward=jax.jit(functools.partial(_forward, config, num_top, logprobs),
+                      donate_argnums=(1, 2)),
       copy_row=jax.jit(lambda dst, i, src, j: kda_set_rows(dst, i[None], kda_rows(src, j[None])),
                        donate_argnums=(0,)),
       put=jax.jit(lambda kda, row, rows: kda_set_rows(kda, row[None], rows),
@@ -122,12 +125,16 @@ class DeviceState:
 
   config: the model's config (run as `config.for_inference()`: dropless MoE); variables: its
   variables; num_tiles × rows slots; num_pages pages of page_size tokens; num_checkpoints
-  device checkpoint slots (0: none); num_top: top log-probs returned per sample.
+  device checkpoint slots (0: none); num_top: top log-probs returned per sample; logprobs:
+  "model" (the model's own distribution) or "sampling" (the one each row samples from:
+  temperature, top-k, top-p; `sampling.logprobs_rows`).
   """
 
   def __init__(self, config: ModelConfig, variables, *, num_tiles: int, rows: int,
                num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5,
-               draft_len: int = 0, prefill_rows: int = 1):
+               draft_len: int = 0, prefill_rows: int = 1, logprobs: str = "model"):
+    if logprobs not in LOGPROBS:
+      raise ValueError(f"logprobs: expected one of {LOGPROBS}, found {logprobs!r}")
     self.config = config.for_inference()
     self.set_variables(variables)
     self.rows = rows
@@ -139,12 +146,13 @@ class DeviceState:
     self.prefill_rows = prefill_rows
     self.stage = kda_zeros(self.config, prefill_rows)
     self._zero_row = kda_zeros(self.config, 1)
-    self._p = programs(self.config, num_top)
+    self.logprobs = logprobs
+    self._p = programs(self.config, num_top, logprobs)
     if draft_len:
       if not self.config.text.num_mtp_layers:
         raise ValueError("draft_len: speculative decoding needs the model's MTP layer "
                          "(config.text.num_mtp_layers=1), found 0")
-      self._s = kv_spec.speculative_programs(self.config, draft_len, num_top)
+      self._s = kv_spec.speculative_programs(self.config, draft_len, num_top, logprobs)
       d = self.config.text.d_model
       self.pend = [(jnp.zeros((rows, draft_len + 1, d), jnp.float32),
                     jnp.zeros((rows, draft_len + 1), jnp.int32), jnp.zeros((rows,), jnp.int32))

@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from k3jax.cache import commit_mtp, commit_paged, paged_cache
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
-from k3jax.serve.sampling import probs_rows, row_keys, sample_rows
+from k3jax.serve.sampling import logprobs_rows, probs_rows, row_keys, sample_rows
 from k3jax.serve.speculative import rewind, verify_drafts
 
 
-def _prefill_piece(config: ModelConfig, num_top: int, variables, kda, pools, table, lengths,
+def _prefill_piece(config: ModelConfig, num_top: int, logprobs: str, variables, kda, pools, table, lengths,
                    tokens, num_new, next_tokens, draft_n, seeds, counters, temperature, top_k,
                    top_p, media=None):
   """Pieces on staging rows (like `kv._forward`), then the MTP layer over each row's first
@@ -49,7 +49,8 @@ def _prefill_piece(config: ModelConfig, num_top: int, variables, kda, pools, tab
   _, after = model.apply(variables, hidden, next_tokens, after, draft_n, method=K3Model.draft)
   last = jnp.maximum(num_new - 1, 0)
   at_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  out = sample_rows(at_last, seeds, counters, temperature, top_k, top_p, num_top)
+  out = sample_rows(at_last, seeds, counters, temperature, top_k, top_p, num_top,
+                    logprobs=logprobs)
   h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
   kda, pools = commit_paged(after, pools, table, lengths, num_new, tokens.shape[1])
   pools = commit_mtp(after, pools, table, lengths, draft_n, tokens.shape[1])
@@ -62,13 +63,14 @@ def _verify_rows(keys, target_probs, draft_probs, drafts):
   return jax.vmap(one)(keys, target_probs, draft_probs, drafts)
 
 
-def _round(config: ModelConfig, n: int, num_top: int, variables, kda, pools, pend, table,
+def _round(config: ModelConfig, n: int, num_top: int, logprobs: str, variables, kda, pools, pend, table,
            lengths, active, seeds, counters, temperature, top_k, top_p):
   """One draft / verify round for every row of a tile (module doc).
 
   pend = (features [B, n+1, d], tokens [B, n+1], count [B]); lengths [B] tokens in the caches
   (the pend's last token not yet fed); active [B] bool. Returns (drafts [B, n], accepted [B],
-  next [B], logprobs [B, n+1] of the emitted tokens (drafts[:accepted], then next), top
+  next [B], logprobs [B, n+1] of the emitted tokens (drafts[:accepted], then next; of the
+  distribution `logprobs` names, as `sample_rows`), top
   (ids, logprobs) [B, n+1, num_top] or None, kda, pools, pend)."""
   model = K3Model(config)
   act = active.astype(jnp.int32)
@@ -106,7 +108,8 @@ def _round(config: ModelConfig, n: int, num_top: int, variables, kda, pools, pen
   kda, pools = commit_paged(after, pools, table, lengths, keep, n + 1)
   emitted = jnp.where(jnp.arange(n + 1)[None] < num[:, None], jnp.pad(d, ((0, 0), (0, 1))),
                       y[:, None])
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logp = jax.vmap(lambda lg: logprobs_rows(lg, temperature, top_k, top_p, logprobs),
+                  in_axes=1, out_axes=1)(logits)
   lps = jnp.take_along_axis(logp, emitted[..., None], -1)[..., 0]
   top = None
   if num_top:
@@ -126,11 +129,14 @@ def _set_pend(pend, row, h, token):
 
 
 @functools.lru_cache(maxsize=None)
-def speculative_programs(config: ModelConfig, draft_len: int, num_top: int) -> dict:
-  """The jitted speculative programs of one config (shared by its engines; state donated)."""
+def speculative_programs(config: ModelConfig, draft_len: int, num_top: int,
+                         logprobs: str = "model") -> dict:
+  """The jitted speculative programs of one config (shared by its engines; state donated);
+  `logprobs` as `kv.programs`."""
   return dict(
-      prefill=jax.jit(functools.partial(_prefill_piece, config, num_top), donate_argnums=(1, 2)),
-      round=jax.jit(functools.partial(_round, config, draft_len, num_top),
+      prefill=jax.jit(functools.partial(_prefill_piece, config, num_top, logprobs),
+                      donate_argnums=(1, 2)),
+      round=jax.jit(functools.partial(_round, config, draft_len, num_top, logprobs),
                     donate_argnums=(1, 2, 3)),
       set_pend=jax.jit(_set_pend, donate_argnums=(0,)),
   )

@@ -143,9 +143,29 @@ def probs_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   return jnp.where(hot[:, None], jax.nn.softmax(filtered, axis=-1), greedy)
 
 
+LOGPROBS = ("model", "sampling")
+
+
+def logprobs_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array, of: str = "model") -> jax.Array:
+  """Log-probabilities [B, V] fp32 that a row reports for its tokens. of="model": the
+  model's own distribution, log_softmax(logits); of="sampling": the distribution the row
+  samples from (`probs_rows`: temperature, top-k and top-p applied; -inf outside the kept
+  tokens), what an RL update needs as the behaviour policy's log-prob at a temperature other
+  than 1. Greedy rows (temperature 0) report the model's own in both."""
+  if of not in LOGPROBS:
+    raise ValueError(f"logprobs: expected one of {LOGPROBS}, found {of!r}")
+  x = logits.astype(jnp.float32)
+  own = jax.nn.log_softmax(x, axis=-1)
+  if of == "model":
+    return own
+  filtered, hot = _filtered_rows(x, temperature, top_k, top_p)
+  return jnp.where(hot[:, None], jax.nn.log_softmax(filtered, axis=-1), own)
+
+
 def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
                 temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                num_top: int = 0, keys: jax.Array | None = None):
+                num_top: int = 0, keys: jax.Array | None = None, logprobs: str = "model"):
   """Per-row sampling with per-row parameters (the serving engine; traced, one compiled shape).
 
   logits [B, V]; seeds [B] uint32 and counters [B] int32 (row b draws with the key
@@ -154,16 +174,16 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
   off), top_p [B] (1: off) — the semantics of `filter_logits`. Every operation acts on one row
   at a time, so a row's draw never depends on the other rows.
 
-  Returns (tokens [B] int32, logprobs [B] fp32 of the model's own distribution (log-softmax
-  of the raw logits) at the tokens, and with `num_top` the top (ids [B, num_top],
-  logprobs [B, num_top]) of that distribution, else None).
+  Returns (tokens [B] int32, logprobs [B] fp32 at the tokens, and with `num_top` the top
+  (ids [B, num_top], logprobs [B, num_top]), else None), the log-probs of the distribution
+  `logprobs` names (`logprobs_rows`: the model's own by default).
   """
   x = logits.astype(jnp.float32)
   filtered, hot = _filtered_rows(x, temperature, top_k, top_p)
   keys = row_keys(seeds, counters) if keys is None else keys
   drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered)
   tokens = jnp.where(hot, drawn, jnp.argmax(x, axis=-1)).astype(jnp.int32)
-  logp = jax.nn.log_softmax(x, axis=-1)
+  logp = logprobs_rows(x, temperature, top_k, top_p, logprobs)
   chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   if not num_top:
     return tokens, chosen, None
@@ -222,4 +242,4 @@ def _first_stop(text: str, stops: Sequence[str]) -> int | None:
 
 
 __all__ = ["SamplingParams", "filter_logits", "sampling_probs", "sample", "sample_rows",
-           "probs_rows", "row_keys", "StopChecker"]
+           "LOGPROBS", "logprobs_rows", "probs_rows", "row_keys", "StopChecker"]

@@ -10,7 +10,7 @@ import pytest
 from k3jax.data.tokenizers import ByteTokenizer
 from k3jax.model import K3Model
 from k3jax.serve import generate as G
-from k3jax.serve.engine import RequestParams
+from k3jax.serve.engine import EngineConfig, RequestParams
 from serve.engine_fixtures import engine, model, prompt
 
 
@@ -73,6 +73,8 @@ def test_submit_errors_name_the_problem():
     RequestParams(max_tokens=0)
   with pytest.raises(ValueError, match="stop_strings need a decode"):
     eng.submit([1, 2], RequestParams(stop_strings=("x",)))
+  with pytest.raises(ValueError, match="EngineConfig.logprobs: expected one of"):
+    EngineConfig(logprobs="tempered")
   assert not eng.has_work
 
 

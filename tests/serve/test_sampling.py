@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.serve.sampling import SamplingParams, StopChecker, filter_logits, sample, sampling_probs
+from k3jax.serve.sampling import (SamplingParams, StopChecker, filter_logits, logprobs_rows,
+                                  sample, sample_rows, sampling_probs)
 
 
 def _ref_probs(logits, temperature, top_k, top_p):
@@ -36,6 +37,35 @@ def test_sampling_probs_match_reference(temperature, top_k, top_p):
   for row in range(3):
     np.testing.assert_allclose(got[row], _ref_probs(logits[row], temperature, top_k, top_p),
                                atol=1e-6)
+
+
+def test_row_log_probs_of_the_model_or_of_the_sampling_distribution():
+  """sample_rows(logprobs="sampling"): each row's log-probs are those of the distribution it
+  samples from (the numpy reference: its temperature, top-k, top-p), at the drawn token and
+  in its top pairs; greedy rows and logprobs="model" give log_softmax of the raw logits."""
+  logits = jax.random.normal(jax.random.PRNGKey(1), (4, 11)) * 2
+  temperature = jnp.array([0.7, 1.3, 0.0, 1.0])
+  top_k, top_p = jnp.array([0, 5, 0, 3]), jnp.array([1.0, 0.8, 1.0, 1.0])
+  seeds, counters = jnp.arange(4, dtype=jnp.uint32), jnp.zeros(4, jnp.int32)
+  own = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  tok_m, lp_m, _ = sample_rows(logits, seeds, counters, temperature, top_k, top_p)
+  tok_s, lp_s, (top_ids, top_lp) = sample_rows(logits, seeds, counters, temperature, top_k,
+                                               top_p, num_top=2, logprobs="sampling")
+  np.testing.assert_array_equal(tok_m, tok_s)             # the same draws either way
+  for b in range(4):
+    t = int(tok_s[b])
+    np.testing.assert_allclose(lp_m[b], own[b, t], atol=1e-6)
+    if float(temperature[b]) == 0.0:
+      ref = own[b]
+    else:
+      with np.errstate(divide="ignore"):
+        ref = np.log(_ref_probs(logits[b], float(temperature[b]), int(top_k[b]),
+                                float(top_p[b])))
+    np.testing.assert_allclose(lp_s[b], ref[t], atol=1e-5)
+    np.testing.assert_allclose(top_lp[b], ref[np.asarray(top_ids[b])], atol=1e-5)
+  assert abs(float(lp_s[0]) - float(lp_m[0])) > 1e-3      # tempered ≠ the model's own
+  with pytest.raises(ValueError, match="logprobs: expected one of"):
+    logprobs_rows(logits, temperature, top_k, top_p, "tempered")
 
 
 def test_greedy_is_argmax_and_one_hot():

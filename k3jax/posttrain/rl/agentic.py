@@ -22,9 +22,10 @@ environment offers the `crop` tool instead of python, each request carries the t
 images (the overview, then every crop) as a media stream, and so does each training row
 (`ToolEnv.batch_media`): the update sees the images the rollout saw.
 
-Sampling is at temperature 1: the engine's log-probs are those of the model's own
-distribution, which is then the sampling distribution, so behaviour = trainer log-probs up to
-rounding (the `mismatch` metric).
+Sampling is at `rl.temperature`: the engine reports each token's log-prob under the
+distribution it was drawn from (`EngineConfig(logprobs="sampling")`), the update scores the
+same tokens at the same temperature, so behaviour = trainer log-probs up to rounding (the
+`mismatch` metric).
 """
 
 from __future__ import annotations
@@ -57,21 +58,25 @@ from k3jax.train.state import TrainState, init_state
 
 def engine_config(r: RLRun) -> EngineConfig:
   """The rollout engine of a run: `agent.num_slots` slots, a context of the trajectory's
-  token limit, the grid and KDA checkpoints every 64 tokens plus every turn boundary."""
+  token limit, the grid and KDA checkpoints every 64 tokens plus every turn boundary;
+  log-probs of the sampling distribution (the behaviour policy at rl.temperature)."""
   a = r.agent
   page = 16
   return EngineConfig(num_slots=a.num_slots, tile_rows=min(a.num_slots, 4),
                       max_len=-(-a.max_tokens // page) * page, page_size=page, prefill_chunk=64,
                       checkpoint_interval=64, boundary_token=CHAT_END, step_tokens=256,
-                      num_checkpoints=4 * a.num_slots)
+                      num_checkpoints=4 * a.num_slots, logprobs="sampling")
 
 
 class EffortB0:
   """b₀(x) on agentic T(y) (module doc): the mean `effort_tokens(agentic=True)` of `samples`
-  trajectories of the engine's (initial) policy on task x, rolled out once per task uid."""
+  trajectories of the engine's (initial) policy on task x at `temperature`, rolled out once
+  per task uid."""
 
-  def __init__(self, engine: Engine, env: ToolEnv, samples: int, seed: int = 0):
+  def __init__(self, engine: Engine, env: ToolEnv, samples: int, seed: int = 0,
+               temperature: float = 1.0):
     self.engine, self.env, self.samples, self.seed = engine, env, samples, seed
+    self.temperature = temperature
     self.values: dict[int, float] = {}
     self.calls = 0
 
@@ -79,7 +84,7 @@ class EffortB0:
     new = list({t.uid: t for t in tasks if t.uid not in self.values}.values())
     if new:
       rows = [t for t in new for _ in range(self.samples)]
-      trajs = rollout(self.engine, rows, self.env, temperature=1.0,
+      trajs = rollout(self.engine, rows, self.env, temperature=self.temperature,
                       seed=self.seed * 7919 + 104_729 + self.calls)
       self.calls += 1
       for i, t in enumerate(new):
@@ -111,9 +116,6 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
   agent.max_tokens tokens after each prompt (a bound on any trajectory's continuation)."""
   if not r.agent.enabled:
     raise ValueError("agent.enabled: False (single-turn rounds: k3jax.posttrain.rl.loop.run)")
-  if r.rl.temperature != 1.0:
-    raise ValueError(f"rl.temperature: agentic rounds sample at 1.0 (the engine's log-probs "
-                     f"are the model's own distribution), found {r.rl.temperature}")
   config = policy_config(r.rl, config)
   ro, a, lcfg = r.rl, r.agent, r.loss
   variables = {"params": variables["params"], "balance": variables.get("balance", {})}
@@ -121,7 +123,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
   initial = jax.tree.map(jnp.array, variables)
   tx, _ = optimizer(r.run, config)
   state = init_state(jax.tree.map(jnp.array, variables), PRETRAIN, tx)
-  step_fn = make_rl_step(config, tx, lcfg, temperature=1.0, qk_clip_tau=r.run.optim.qk_clip_tau)
+  step_fn = make_rl_step(config, tx, lcfg, temperature=ro.temperature,
+                         qk_clip_tau=r.run.optim.qk_clip_tau)
   visual = any(d in visual_tasks.DOMAINS for d in ro.domains)
   if visual and (not all(d in visual_tasks.DOMAINS for d in ro.domains)
                  or config.vision is None):
@@ -135,7 +138,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
                 max_reply_tokens=a.max_reply_tokens, **media)
   engine = Engine(config, jax.tree.map(jnp.array, state.variables), engine_config(r))
   b0 = (EffortB0(Engine(config, initial, engine_config(r)), env, r.budget.b0_samples,
-                 seed=r.run.seed + 1) if r.budget.enabled else None)
+                 seed=r.run.seed + 1, temperature=ro.temperature)
+        if r.budget.enabled else None)
   taus = tau_schedule(r)
   if sampler is None:
     sampler = (visual_tasks.VisualTaskSampler if visual else ToolTaskSampler)(
@@ -154,7 +158,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
         raise ValueError(f"rl.max_prompt_len={ro.max_prompt_len}: a prompt has "
                          f"{len(t.tokens)} tokens")
     t0 = time.perf_counter()
-    trajs = rollout(engine, tasks, env, temperature=1.0, seed=r.run.seed * 7919 + rnd)
+    trajs = rollout(engine, tasks, env, temperature=ro.temperature,
+                    seed=r.run.seed * 7919 + rnd)
     rollout_s = time.perf_counter() - t0
     rewards = (np.array([float(verify(t.task, t.response)) for t in trajs], np.float32)
                if reward_fn is None else np.asarray(reward_fn(trajs), np.float32))

@@ -78,7 +78,8 @@ class RolloutConfig:
   expert_qat: str | None = None
   # True: rounds run through the serving engine, unfinished trajectories paused with their
   # caches and resumed without prefill (k3jax/posttrain/rl/partial.py); False: resumed
-  # prefixes are recomputed (the reference). Needs temperature 1.
+  # prefixes are recomputed (the reference). Either works at any temperature: the engine
+  # reports log-probs of the distribution it samples from.
   retain_cache: bool = True
   # False: prompts without the effort option (the task's effort still picks τ and the
   # teacher): how a (domain × effort) teacher is trained (experiments/rl_pipeline.py).
@@ -92,10 +93,6 @@ class RolloutConfig:
     _need(0 < self.lam <= 1, "rl.lam", f"expected a value in (0, 1], found {self.lam}")
     _need(self.temperature > 0, "rl.temperature",
           f"expected > 0 (sampling), found {self.temperature}")
-    _need(not self.retain_cache or self.temperature == 1.0, "rl.temperature",
-          f"rl.retain_cache samples through the serving engine, whose log-probs are the "
-          f"untempered distribution's: expected 1.0, found {self.temperature} (or set "
-          f"rl.retain_cache=False)")
     qat.check_mode(self.expert_qat, "config.rl.expert_qat")
 
 

@@ -13,8 +13,10 @@ to resume:
     rounds (`Engine.set_variables`) leave the paused caches as they are: a resumed trajectory
     continues from a cache the older policies computed, as the report's partial rollouts do;
     the per-token importance weights below correct for it. A finished request's pages are
-    released at once; `close` cancels the paused ones. Needs temperature 0 or 1: the engine
-    reports log-probs of the model's own (untempered) distribution.
+    released at once; `close` cancels the paused ones. The engine reports each token's
+    log-prob under the distribution it was drawn from (`EngineConfig(logprobs="sampling")`:
+    log_softmax(logits / temperature), the trainer's `token_logprobs(..., temperature)`), so
+    any temperature works; greedy rows report the model's own, as the recompute path does.
 
 Bookkeeping. Every trajectory is created once (K per admitted prompt, as a group) and is at any
 time in exactly one place: the resume queue (unfinished), its group's pending list (finished,
@@ -99,10 +101,8 @@ class PartialRollout:
       raise ValueError(f"n_prompts/k: expected >= 1, found {n_prompts}/{k}")
     if not 0 < lam <= 1:
       raise ValueError(f"lam: expected a value in (0, 1], found {lam}")
-    if retain_cache and temperature not in (0.0, 1.0):
-      raise ValueError(f"temperature: retained caches sample through the serving engine, whose "
-                       f"log-probs are the untempered distribution's; expected 0 or 1, found "
-                       f"{temperature}")
+    if temperature < 0:
+      raise ValueError(f"temperature: expected >= 0, found {temperature}")
     self.retain_cache = retain_cache
     self.engine: Engine | None = None
     self._engine_version: int | None = None
@@ -188,13 +188,14 @@ class PartialRollout:
     """The rollout engine: one slot per trajectory of the pool in one decode tile, a context of
     `width`, pieces of 128 tokens (one compiled bucket: an RL prompt is one piece) two groups'
     prompts (2K) at a time, a step budget that prefills every new prompt at once, no prefix
-    cache (a group's K prompts are admitted in the same step: nothing to hit)."""
+    cache (a group's K prompts are admitted in the same step: nothing to hit); log-probs of
+    the sampling distribution (the behaviour policy at `temperature`)."""
     page, chunk = 16, 128
     return EngineConfig(num_slots=self.slots, tile_rows=self.slots, max_len=self.width,
                         page_size=page, prefill_chunk=chunk, prefill_buckets=(chunk,),
                         step_tokens=self.slots * self.width, prefix_cache=False,
                         num_checkpoints=0, num_top_logprobs=0,
-                        prefill_rows=min(self.slots, 2 * self.k))
+                        prefill_rows=min(self.slots, 2 * self.k), logprobs="sampling")
 
   def _engine_round(self, config, variables, version, key):
     t0 = time.perf_counter()

@@ -73,10 +73,11 @@ def test_budget_on_agentic_effort_boundary():
 
 def test_rounds_with_the_budget_on_agentic_effort():
   """budget.enabled in agentic rounds: b₀ from the initial policy's trajectories (a second
-  engine), τ annealed per domain, every trajectory's reward = −1 iff T > τ·b₀."""
+  engine), τ annealed per domain, every trajectory's reward = −1 iff T > τ·b₀. At
+  temperature 0.7: the engine's log-probs are the tempered distribution's, = the update's."""
   c = rl_base_config("tiny")
   c.rl.update(dict(rounds=2, n_prompts=2, k=2, domains=("bigmul", "strops"),
-                   max_prompt_len=544))
+                   max_prompt_len=544, temperature=0.7))
   c.agent.update(dict(enabled=True, max_tokens=608, max_reply_tokens=8, max_turns=2,
                       num_slots=4, tool_cpu_seconds=1, tool_wall_seconds=4.0))
   c.budget.update(dict(enabled=True, b0_samples=1, tau_start=1.0, tau_end=0.5,
@@ -88,6 +89,7 @@ def test_rounds_with_the_budget_on_agentic_effort():
   assert [h["tau"] for h in history] == [1.0, 0.5]
 
   for h in history:
+    assert h["mismatch"] <= 1e-5, h
     p = h["per_trajectory"]
     assert len(p["effort"]) == 4 and h["b0"] > 0
     for e, b, tau, acc, rew in zip(p["effort"], p["b0"], p["tau"], p["accuracy"], p["reward"]):
@@ -102,7 +104,7 @@ def test_rounds_with_the_budget_on_agentic_effort():
 def test_bad_settings_are_named():
   variables = {"params": {}}
   with pytest.raises(ValueError, match="rl.temperature"):
-    agentic.run(_run(temperature=0.7), CONFIG, variables, log=None)
+    _run(temperature=0.0)
   with pytest.raises(ValueError, match="rl.domains"):
     _run(domains=("arith",))
   c = rl_base_config("tiny")

@@ -151,10 +151,35 @@ def test_partial_rollout_with_retained_caches():
   pool.close()
   pool.check()
   assert eng.stats()["paused"] == 0 and eng.allocator.num_used == 0
+
+
+def test_retained_caches_at_a_temperature_report_the_sampling_log_probs():
+  """At temperature 0.7 the engine reports each token's log-prob under the distribution it
+  was drawn from: over rounds with pauses and resumes, every trajectory's log-probs equal the
+  trainer's `token_logprobs(..., temperature=0.7)` (≤ 1e-5) and not the untempered ones."""
+  pool = PartialRollout(TaskSampler(seed=7), n_prompts=N, k=K, lam=0.5, max_new_tokens=MAX_NEW,
+                        width=WIDTH, stop_tokens=(), temperature=0.7,
+                        limit_fn=lambda task, rng: int(rng.integers(1, MAX_NEW + 1)), seed=1,
+                        retain_cache=True)
+  handed, resumed, rounds = [], 0, 0
+  while len(handed) < N * K and rounds < 20:
+    groups, stats = pool.round(CONFIG, _variables(), version=0, key=jax.random.PRNGKey(rounds))
+    rounds += 1
+    resumed += stats.resumed
+    handed += [t for g in groups for t in g]
+  assert resumed > 0, "no trajectory was resumed: the test exercised nothing"
+  rows = handed[:N * K]
+  seqs, plens = R.sequences([t.task.tokens for t in rows], [t.tokens for t in rows], WIDTH)
+  lengths = np.array([len(t.tokens) for t in rows])
+  behaviour = np.zeros((len(rows), MAX_NEW), np.float32)
+  for i, t in enumerate(rows):
+    behaviour[i, :len(t.logprobs)] = t.logprobs
+  tempered = L.token_logprobs(CONFIG, _variables(), seqs, plens, MAX_NEW, temperature=0.7)
+  assert L.mismatch(behaviour, tempered, lengths) <= 1e-5
+  plain = L.token_logprobs(CONFIG, _variables(), seqs, plens, MAX_NEW)
+  assert L.mismatch(behaviour, plain, lengths) > 1e-3
+  pool.close()
+  assert loop.RolloutConfig(temperature=0.7).retain_cache
   with pytest.raises(ValueError, match="temperature"):
     PartialRollout(TaskSampler(seed=5), n_prompts=N, k=K, lam=0.5, max_new_tokens=MAX_NEW,
-                   width=WIDTH, temperature=0.7, retain_cache=True)
-  with pytest.raises(ValueError, match="config.rl.temperature: rl.retain_cache"):
-    loop.RolloutConfig(temperature=0.7)
-  assert loop.RolloutConfig().retain_cache and not loop.RolloutConfig(
-      temperature=0.7, retain_cache=False).retain_cache
+                   width=WIDTH, temperature=-1.0, retain_cache=True)
