@@ -5,7 +5,8 @@ python -m experiments.rl --config=configs/rl_tiny.py --policy=CKPT \
     --teachers=arith:low=CKPT_A,sort:high=CKPT_B --out=runs/rl
 
 Teachers are k3jax checkpoints of any config sharing the policy's vocabulary; prompts without
-a teacher get no MOPD term. --config.mesh.{data,fsdp,expert,...} shard the policy update over
+a teacher get no MOPD term. Agentic configs (`agent.enabled`) take teachers of tool-task
+domains (`bigmul:high=CKPT`): MOPD on the policy's tokens of multi-turn rows. --config.mesh.{data,fsdp,expert,...} shard the policy update over
 a device mesh as in pre-training (experiments/train.py). Writes OUT/metrics.jsonl (one line per round), OUT/summary.json
 and, with --save, the final policy as a checkpoint under OUT/policy.
 """
@@ -17,8 +18,10 @@ from ml_collections import config_flags
 
 
 def parse_teachers(spec: str) -> dict[tuple[str, str], str]:
-  """"d1:e1=PATH,d2:e2=PATH" → {(d1, e1): PATH, ...}; a malformed entry names itself."""
-  from k3jax.data.rl_tasks import DOMAINS, EFFORTS
+  """"d1:e1=PATH,d2:e2=PATH" → {(d1, e1): PATH, ...}, domains of the single-turn tasks or
+  the text tool tasks; a malformed entry names itself."""
+  from k3jax.data import rl_tasks, tool_tasks
+  DOMAINS, EFFORTS = rl_tasks.DOMAINS + tool_tasks.DOMAINS, rl_tasks.EFFORTS
   out = {}
   for item in filter(None, (s.strip() for s in spec.split(","))):
     key, sep, path = item.partition("=")
@@ -64,9 +67,7 @@ def main(argv):
   if spec:
     teachers = Teachers({k: load_pretrained(p) for k, p in spec.items()}, config.text.vocab_size)
   if r.agent.enabled:       # multi-turn tool tasks through the serving engine
-    if teachers is not None:
-      raise app.UsageError("--teachers: agentic rounds take no teachers")
-    history, state = agentic.run(r, config, variables, out_dir=_OUT.value)
+    history, state = agentic.run(r, config, variables, out_dir=_OUT.value, teachers=teachers)
   else:
     history, state = loop.run(r, config, variables, teachers=teachers, out_dir=_OUT.value,
                               mesh=run_mesh(r.run))

@@ -17,6 +17,12 @@ through a second engine that keeps serving the initial weights, once per task, i
 the task is first trained); τ_d(r) per domain, annealed as in the single-turn loop
 (`loop.tau_schedule`); the reward becomes −1 when T(y) > τ·b₀(x) (`budget_rewards`).
 
+MOPD (`teachers`, K3 §13): each trajectory whose (domain, effort) has a teacher gets the dense
+per-token reward r_t = clip(log π_teacher(y_t | x', y<t) − log π_θ(y_t | x, y<t), ±R_max) on
+its policy tokens, as in the single-turn loop: the teacher reads the whole multi-turn row
+(tool messages included, the prompt without its effort option) and only the policy's own
+tokens carry the reward (the row's loss mask).
+
 Visual tasks (rl.domains = ("crop",), k3jax/data/visual_tasks.py; a multimodal policy): the
 environment offers the `crop` tool instead of python, each request carries the trajectory's
 images (the overview, then every crop) as a media stream, and so does each training row
@@ -48,7 +54,7 @@ from k3jax.posttrain.rl import sandbox
 from k3jax.posttrain.rl.env import FINISHES, ToolEnv, Trajectory, rollout, training_rows
 from k3jax.posttrain.rl.loop import RLRun, policy_config, record_round, tau_schedule, write_json
 from k3jax.posttrain.rl.losses import group_advantages
-from k3jax.posttrain.rl.rewards import apply_budget, budget_violations
+from k3jax.posttrain.rl.rewards import Teachers, apply_budget, budget_violations
 from k3jax.posttrain.rl.update import make_rl_step
 from k3jax.serve.engine import Engine, EngineConfig
 from k3jax.train.optim import optimizer
@@ -105,12 +111,13 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
         out_dir: str | os.PathLike | None = None,
         log: Callable[[str], None] | None = print,
         reward_fn: Callable[[Sequence[Trajectory]], np.ndarray] | None = None,
-        sampler=None) -> tuple[list[dict], TrainState]:
+        sampler=None, teachers: Teachers | None = None) -> tuple[list[dict], TrainState]:
   """Run rl.rounds agentic rounds from `variables` (module doc) on one device. Returns (per
   round metrics, the final state); with `out_dir`, metrics.jsonl and summary.json there.
   reward_fn: trajectories → rewards [n] (default: 1 for an exact final answer).
   sampler: an object whose `sample(n)` gives n tool tasks (default: `ToolTaskSampler` over
-  rl.domains × rl.efforts, seeded by run.seed).
+  rl.domains × rl.efforts, seeded by run.seed). teachers: MOPD teachers by (domain, effort)
+  (module doc; text tool tasks only), weighted by loss.mopd_coef.
 
   Training rows are rl.max_prompt_len + agent.max_tokens tokens wide and read
   agent.max_tokens tokens after each prompt (a bound on any trajectory's continuation)."""
@@ -130,6 +137,9 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
                  or config.vision is None):
     raise ValueError(f"rl.domains={tuple(ro.domains)}: visual tasks need a multimodal policy "
                      f"(model.vision) and no text-tool domain beside them")
+  if teachers is not None and visual:
+    raise ValueError(f"teachers: MOPD teachers score text rows; rl.domains={tuple(ro.domains)} "
+                     f"are visual")
   media = (dict(tools=("crop",), vision_config=config.vision,
                 media_id=config.media_placeholder_token_id) if visual else {})
   env = ToolEnv(limits=sandbox.Limits(cpu_seconds=a.tool_cpu_seconds,
@@ -182,9 +192,13 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     # The KL reference reads the same rows as the update: with their images.
     ref = (lp_lib.token_logprobs(config, initial, seqs, plens, resp, media=media)
            if lcfg.kl_coef > 0 else np.zeros((rows, resp), np.float32))
+    if teachers is not None:
+      tlp, has = teachers.score([(t.task.domain, t.task.effort) for t in trajs], seqs, plens,
+                                resp, float(ro.temperature))
+    else:
+      tlp, has = np.zeros((rows, resp), np.float32), np.zeros(rows, bool)
     batch = {"seqs": seqs, "prompt_lens": plens, "mask": mask, "behaviour_lp": blp,
-             "adv": adv, "teacher_lp": np.zeros((rows, resp), np.float32),
-             "has_teacher": np.zeros(rows, bool), "ref_lp": ref}
+             "adv": adv, "teacher_lp": tlp, "has_teacher": has, "ref_lp": ref}
     if visual:
       batch["media"] = media
     t0 = time.perf_counter()
@@ -206,6 +220,7 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
          "mismatch": float(np.abs(lp - blp)[mask > 0].max()) if mask.any() else 0.0,
          "loss": float(met["loss"]), "grad_norm": float(met["grad_norm"]),
          "clip_frac": float(met["clip_frac"]), "kl": float(met["kl"]),
+         "mopd": float(met["mopd"]) if has.any() else 0.0, "teacher_rows": int(has.sum()),
          "rollout_seconds": rollout_s,
          "train_seconds": train_s}
     history.append(m)

@@ -10,7 +10,8 @@ from k3jax.config import preset
 from k3jax.data import tool_tasks as T
 from k3jax.posttrain.rl import agentic
 from k3jax.posttrain.rl import logprobs as L
-from k3jax.posttrain.rl.loop import rl_base_config, rl_config
+from k3jax.posttrain.rl.loop import policy_config, rl_base_config, rl_config
+from k3jax.posttrain.rl.rewards import Teachers
 from k3jax.train.state import init_variables
 
 CONFIG = preset("tiny", num_layers=2, mla_every=2, first_dense_layers=1,
@@ -31,10 +32,21 @@ def _run(**rl):
 def test_rounds_train_on_engine_rollouts_and_the_engine_serves_the_update():
   r = _run()
   variables = init_variables(CONFIG, jax.random.PRNGKey(0))
+  # MOPD: the initial policy as the teacher of every strops row, reading the same prompt
+  # (strip_effort=False): its per-token reward is 0 while the student is the initial policy
+  # (round 0) — were the teacher's tokens misaligned or a tool token scored, it would not be —
+  # and not once the student has moved (round 1); bigmul rows have no teacher.
+  teachers = Teachers({("strops", e): (policy_config(r.rl, CONFIG), variables)
+                       for e in r.rl.efforts}, CONFIG.text.vocab_size, strip_effort=False)
   # One rewarded trajectory in each group of two: nonzero advantages, so the update moves.
-  history, state = agentic.run(r, CONFIG, variables, log=None,
+  history, state = agentic.run(r, CONFIG, variables, log=None, teachers=teachers,
                                reward_fn=lambda trajs: [1.0, 0.0] * (len(trajs) // 2))
   assert [h["round"] for h in history] == [0, 1]
+  sampler = T.ToolTaskSampler(r.rl.domains, r.rl.efforts, seed=r.run.seed)   # the run's tasks
+  rows = [r.rl.k * sum(t.domain == "strops" for t in sampler.sample(r.rl.n_prompts))
+          for _ in history]
+  assert [h["teacher_rows"] for h in history] == rows == [4, 2]
+  assert abs(history[0]["mopd"]) <= 1e-5 and abs(history[1]["mopd"]) > 1e-3
   for h in history:
     assert h["trajectories"] == 4 and h["policy_tokens"] > 0 and np.isfinite(h["loss"])
     assert sum(h["finish"].values()) == 4 and h["turns"] >= 1

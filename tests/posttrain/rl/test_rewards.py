@@ -235,8 +235,8 @@ def test_bad_inputs_name_the_problem():
     LossConfig(r_max=0.0)
   with pytest.raises(ValueError, match="vocab_size"):
     rewards.Teachers({("arith", "low"): (preset("tiny", vocab_size=300), {})}, 272)
-  assert parse_teachers("arith:low=/a,sort:max=/b") == {("arith", "low"): "/a",
-                                                         ("sort", "max"): "/b"}
+  assert parse_teachers("arith:low=/a,sort:max=/b,bigmul:high=/c") == {
+      ("arith", "low"): "/a", ("sort", "max"): "/b", ("bigmul", "high"): "/c"}
   for bad in ("arith=/a", "chess:low=/a", "arith:low=/a,arith:low=/b"):
     with pytest.raises(ValueError, match="--teachers"):
       parse_teachers(bad)

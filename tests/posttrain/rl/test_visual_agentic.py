@@ -13,6 +13,7 @@ from k3jax.data.tokenizers import MEDIA
 from k3jax.posttrain.rl import agentic
 from k3jax.posttrain.rl.env import FINISHES
 from k3jax.posttrain.rl.loop import rl_config
+from k3jax.posttrain.rl.rewards import Teachers
 from k3jax.train.state import init_variables
 
 
@@ -67,3 +68,6 @@ def test_visual_domain_needs_a_multimodal_policy():
     agentic.run(r, text, {"params": {}}, log=None)
   with pytest.raises(ValueError, match="rl.domains"):
     agentic.run(_run(domains=("crop", "bigmul")), r.run.model, {"params": {}}, log=None)
+  with pytest.raises(ValueError, match="teachers: MOPD teachers score text rows"):
+    agentic.run(r, r.run.model, {"params": {}}, log=None,
+                teachers=Teachers({}, r.run.model.text.vocab_size))
