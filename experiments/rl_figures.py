@@ -78,11 +78,13 @@ def _cfg():
 
 
 def train_cold_start(c, steps: int, path: pathlib.Path, *, batch: int = 32,
-                     max_filler: int = 8, log=print):
+                     max_filler: int = 8, by_effort: bool = False, log=print):
   """Supervised warm-up of `c`'s model (an RL config dict: its model, rl.domains / efforts /
   widths) on `sft_reply` rows — the prompt with its effort option, a reply that thinks 0..
   max_filler dots and answers — for `steps` steps (lr 3e-3, Per-Head Muon); loss on the reply's
-  tokens only. Saves the checkpoint at `path`; returns ((config, variables), losses, seconds)."""
+  tokens only; `by_effort`: each reply's length from its effort level's third of that range
+  (`rl_tasks.filler_range`). Saves the checkpoint at `path`; returns ((config, variables),
+  losses, seconds)."""
   import jax
   import numpy as np
   from k3jax.data import rl_tasks
@@ -107,7 +109,7 @@ def train_cold_start(c, steps: int, path: pathlib.Path, *, batch: int = 32,
     rows = np.zeros((batch, width + 1), np.int32)
     mask = np.zeros((batch, width), np.float32)
     for i, t in enumerate(sampler.sample(batch)):
-      seq = list(t.tokens) + list(rl_tasks.sft_reply(t, rng, max_filler))
+      seq = list(t.tokens) + list(rl_tasks.sft_reply(t, rng, max_filler, by_effort))
       rows[i, :len(seq)] = seq
       mask[i, len(t.tokens) - 1:len(seq) - 1] = 1     # predict the reply's tokens only
     b = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": mask,

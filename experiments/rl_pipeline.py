@@ -5,8 +5,9 @@ python -m experiments.rl_pipeline --out=runs/rl_pipeline [--results=docs/results
 
 Stages (each resumes from its output when that exists):
   1. cold start   supervised warm-up on thinking-mode replies (0–8 filler dots in `think`,
-                  then the answer; experiments/rl_figures.py `train_cold_start`) →
-                  OUT/cold_start.
+                  then the answer; experiments/rl_figures.py `train_cold_start`; with
+                  --cold_start_by_effort the length follows the prompt's effort option:
+                  low 0–2, high 3–5, max 6–8) → OUT/cold_start.
   2. teachers     for every (domain, effort): RL from the cold start on that domain, on
                   prompts WITHOUT the effort option (the prompt the teacher later scores), with
                   the effort level's own budget regime on T(y) = thinking tokens:
@@ -62,6 +63,9 @@ def define_flags() -> None:
   flags.DEFINE_float("mopd_coef", 1.0, "β: weight of the MOPD per-token reward.")
   flags.DEFINE_integer("eval_n", 128, "Evaluation prompts per effort level.")
   flags.DEFINE_string("qat", "mxfp4_mxfp8", "rl.expert_qat of every RL run (empty: off).")
+  flags.DEFINE_bool("cold_start_by_effort", False, "Cold-start thinking lengths by the "
+                    "prompt's effort option (low 0-2, high 3-5, max 6-8 dots) instead of 0-8 "
+                    "at every level.")
 
 
 def settings_from_flags() -> dict:
@@ -69,7 +73,7 @@ def settings_from_flags() -> dict:
   return {k: f[k].value for k in (
       "out", "results", "domains", "efforts", "layers", "sft_steps", "sft_batch",
       "teacher_rounds", "student_rounds", "n_prompts", "k", "max_new_tokens", "lr", "mopd_coef",
-      "eval_n", "qat")}
+      "eval_n", "qat", "cold_start_by_effort")}
 
 
 def base_config(s: dict, rounds: int):
@@ -189,7 +193,8 @@ def run_pipeline(s: dict, log=print) -> dict:
       shutil.rmtree(tmp)
     if s["sft_steps"] > 0:
       (config, start), losses, secs = train_cold_start(
-          base_config(s, 1), s["sft_steps"], tmp, batch=s["sft_batch"], log=log)
+          base_config(s, 1), s["sft_steps"], tmp, batch=s["sft_batch"],
+          by_effort=bool(s.get("cold_start_by_effort")), log=log)
     else:      # no supervised steps: the initial model stands in (smoke tests)
       import jax
       from k3jax.convert.checkpoint import save_pretrained

@@ -236,13 +236,25 @@ class TaskSampler:
     self._rng.bit_generator.state = state["rng"]
 
 
-def sft_response(task: Task, rng: np.random.Generator, max_filler: int = 8) -> str:
-  """A correct response text with 0..max_filler filler dots before the answer."""
-  return "." * int(rng.integers(0, max_filler + 1)) + " " + task.answer
+def filler_range(effort: str | None, max_filler: int) -> tuple[int, int]:
+  """The cold start's thinking lengths (lo, hi), inclusive: 0..max_filler for None; for an
+  effort level its third of that range, in EFFORTS order (max_filler 8: low 0–2, high 3–5,
+  max 6–8)."""
+  if effort is None:
+    return 0, max_filler
+  if effort not in EFFORTS:
+    raise ValueError(f"effort: expected one of {EFFORTS}, found {effort!r}")
+  if max_filler + 1 < len(EFFORTS):
+    raise ValueError(f"max_filler: by effort needs >= {len(EFFORTS) - 1}, found {max_filler}")
+  part = np.array_split(np.arange(max_filler + 1), len(EFFORTS))[EFFORTS.index(effort)]
+  return int(part[0]), int(part[-1])
 
 
-def sft_reply(task: Task, rng: np.random.Generator, max_filler: int = 8) -> tuple[int, ...]:
+def sft_reply(task: Task, rng: np.random.Generator, max_filler: int = 8,
+              by_effort: bool = False) -> tuple[int, ...]:
   """Cold-start data (ids after the prompt): a reply that thinks 0..max_filler filler dots,
   then answers exactly — thinking lengths vary, so that an effort budget has something to
-  remove."""
-  return reply_tokens("." * int(rng.integers(0, max_filler + 1)), task.answer)
+  remove. `by_effort`: the length drawn from the task's effort level's third of that range
+  (`filler_range`), so the cold start already reads the effort option."""
+  lo, hi = filler_range(task.effort if by_effort else None, max_filler)
+  return reply_tokens("." * int(rng.integers(lo, hi + 1)), task.answer)

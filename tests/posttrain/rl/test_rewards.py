@@ -80,6 +80,17 @@ def test_replies_are_read_for_thinking_tokens_and_the_response_channel():
   lens = [rl_tasks.read_reply(rl_tasks.sft_reply(t, rng, 5)) for _ in range(40)]
   assert all(x.response == t.answer for x in lens)
   assert {x.thinking_tokens for x in lens} == set(range(6))
+  # By effort: each level its third of 0..8 (low 0–2, high 3–5, max 6–8).
+  for effort, want in (("low", {0, 1, 2}), ("high", {3, 4, 5}), ("max", {6, 7, 8})):
+    te = rl_tasks.make_task(np.random.default_rng(2), 0, "arith", effort)
+    got = {rl_tasks.read_reply(rl_tasks.sft_reply(te, rng, 8, by_effort=True)).thinking_tokens
+           for _ in range(60)}
+    assert got == want, (effort, got)
+  assert rl_tasks.filler_range("max", 2) == (2, 2) and rl_tasks.filler_range(None, 1) == (0, 1)
+  with pytest.raises(ValueError, match="max_filler: by effort needs >= 2, found 1"):
+    rl_tasks.filler_range("max", 1)
+  with pytest.raises(ValueError, match="effort: expected one of"):
+    rl_tasks.filler_range("extreme", 8)
   # Without the effort option the prompt has no options block; the task keeps its effort.
   bare = rl_tasks.make_task(np.random.default_rng(0), 0, "arith", "low", effort_option=False)
   assert bare.effort == "low" and bare.question == t.question
