@@ -6,9 +6,10 @@ python -m experiments.rl --config=configs/rl_tiny.py --policy=CKPT \
 
 Teachers are k3jax checkpoints of any config sharing the policy's vocabulary; prompts without
 a teacher get no MOPD term. Agentic configs (`agent.enabled`) take teachers of tool-task
-domains (`bigmul:high=CKPT`): MOPD on the policy's tokens of multi-turn rows. --config.mesh.{data,fsdp,expert,...} shard the policy update over
-a device mesh as in pre-training (experiments/train.py). Writes OUT/metrics.jsonl (one line per round), OUT/summary.json
-and, with --save, the final policy as a checkpoint under OUT/policy.
+domains (`bigmul:high=CKPT`): MOPD on the policy's tokens of multi-turn rows.
+--config.mesh.{data,fsdp,expert,...} shard the policy update over a device mesh as in
+pre-training (experiments/train.py). Writes OUT/metrics.jsonl (one line per round),
+OUT/summary.json and, with --save, the final policy as a checkpoint under OUT/policy.
 """
 
 from __future__ import annotations

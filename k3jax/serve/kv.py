@@ -73,8 +73,8 @@ class Sampled:
   top_logprobs: np.ndarray | None = None
 
 
-def _forward(config: ModelConfig, num_top: int, logprobs: str, variables, kda, pools, table, lengths, tokens,
-             num_new, seeds, counters, temperature, top_k, top_p, media=None):
+def _forward(config: ModelConfig, num_top: int, logprobs: str, variables, kda, pools, table,
+             lengths, tokens, num_new, seeds, counters, temperature, top_k, top_p, media=None):
   """`K3Model.extend` on the rows' paged cache (`media`: MediaEmbeddings for the placeholders
   among the tokens), then each row's sample at its last real input.
   Returns ((tokens, logprobs, top), kda, pools)."""

@@ -36,9 +36,9 @@ from k3jax.serve.sampling import logprobs_rows, probs_rows, row_keys, sample_row
 from k3jax.serve.speculative import rewind, verify_drafts
 
 
-def _prefill_piece(config: ModelConfig, num_top: int, logprobs: str, variables, kda, pools, table, lengths,
-                   tokens, num_new, next_tokens, draft_n, seeds, counters, temperature, top_k,
-                   top_p, media=None):
+def _prefill_piece(config: ModelConfig, num_top: int, logprobs: str, variables, kda, pools,
+                   table, lengths, tokens, num_new, next_tokens, draft_n, seeds, counters,
+                   temperature, top_k, top_p, media=None):
   """Pieces on staging rows (like `kv._forward`), then the MTP layer over each row's first
   draft_n pairs (h_i, next_tokens[i]). Returns ((tokens, logprobs, top), hidden at each row's
   last real input [B, d], kda, pools)."""
@@ -63,8 +63,8 @@ def _verify_rows(keys, target_probs, draft_probs, drafts):
   return jax.vmap(one)(keys, target_probs, draft_probs, drafts)
 
 
-def _round(config: ModelConfig, n: int, num_top: int, logprobs: str, variables, kda, pools, pend, table,
-           lengths, active, seeds, counters, temperature, top_k, top_p):
+def _round(config: ModelConfig, n: int, num_top: int, logprobs: str, variables, kda, pools,
+           pend, table, lengths, active, seeds, counters, temperature, top_k, top_p):
   """One draft / verify round for every row of a tile (module doc).
 
   pend = (features [B, n+1, d], tokens [B, n+1], count [B]); lengths [B] tokens in the caches

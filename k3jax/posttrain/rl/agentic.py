@@ -190,7 +190,8 @@ def run(r: RLRun, config: ModelConfig, variables: dict, *,
     rows = len(trajs)
     media = env.batch_media(trajs) if visual else None
     # The KL reference reads the same rows as the update: with their images.
-    ref = (lp_lib.token_logprobs(config, initial, seqs, plens, resp, media=media)
+    ref = (lp_lib.token_logprobs(config, initial, seqs, plens, resp, float(ro.temperature),
+                                 media=media)
            if lcfg.kl_coef > 0 else np.zeros((rows, resp), np.float32))
     if teachers is not None:
       tlp, has = teachers.score([(t.task.domain, t.task.effort) for t in trajs], seqs, plens,
