@@ -201,10 +201,10 @@ class PartialRollout:
     t0 = time.perf_counter()
     eng = self.engine
     if eng is None:
-      eng = self.engine = Engine(config, _one_device(variables), self.engine_config())
+      eng = self.engine = Engine(config, _policy_copy(variables), self.engine_config())
       self._engine_version = version
     elif version != self._engine_version:
-      eng.set_variables(_one_device(variables))   # paused requests keep their caches
+      eng.set_variables(_policy_copy(variables))   # paused requests keep their caches
       self._engine_version = version
     rows = []
     while self.queue and len(rows) < self.slots:        # resumed first
@@ -284,9 +284,9 @@ class PartialRollout:
       self.engine.check()
 
 
-def _one_device(variables):
-  """Copies of the policy's arrays on the first device: the engine's programs run there, and
-  the trainer's step may donate the originals."""
-  dev = jax.devices()[0]
-  return jax.tree.map(lambda a: jax.device_put(jnp.array(a), dev),
+def _policy_copy(variables):
+  """Copies of the policy's arrays, each keeping its sharding (the trainer's step may donate
+  the originals): on a mesh the engine's programs run on the sharded weights (GSPMD), on one
+  device there."""
+  return jax.tree.map(jnp.array,
                       {k: v for k, v in dict(variables).items() if k in ("params", "balance")})

@@ -47,10 +47,25 @@ def test_one_round(tmp_path):
   assert json.loads((tmp_path / "summary.json").read_text())["rounds"][0]["reward"] == m["reward"]
 
 
-def test_rounds_on_a_mesh_match_one_device():
+def test_rounds_on_a_mesh_match_one_device(monkeypatch):
   """cfg.mesh shards the update as pre-training does (params over fsdp/expert, batch over the
-  batch axes); the rollouts then run on the sharded policy. Same rounds as one device."""
+  batch axes); the rollouts then run on the sharded policy: the retained-cache engine is
+  given the weights as the mesh holds them (no copy gathered on one device). Same rounds as
+  one device."""
   from k3jax import sharding
+  from k3jax.posttrain.rl import partial
+  served = []
+
+  class Spy(partial.Engine):
+    def __init__(self, config, variables, *args, **kwargs):
+      served.append(variables)
+      super().__init__(config, variables, *args, **kwargs)
+
+    def set_variables(self, variables):
+      served.append(variables)
+      super().set_variables(variables)
+
+  monkeypatch.setattr(partial, "Engine", Spy)
   c = get_config()
   c.model.update(dict(num_layers=1, first_dense_layers=0, attn_res_block_size=None))
   c.rl.update(dict(rounds=2, n_prompts=2, k=2, lam=1.0, max_new_tokens=8))
@@ -63,6 +78,12 @@ def test_rounds_on_a_mesh_match_one_device():
   one, s1 = loop.run(r, config, v, log=None)
   mesh = sharding.make_mesh(r.run.mesh, jax.devices()[:4])
   many, s2 = loop.run(r, config, v, log=None, mesh=mesh)
+  # Each run serves the policy twice (its start, then round 0's update); the mesh run's
+  # update is sharded, and so are the weights its engine then runs.
+  assert len(served) == 4 and r.rl.retain_cache
+  leaves = jax.tree.leaves(served[3])
+  assert sum(not x.sharding.is_fully_replicated for x in leaves) >= len(leaves) // 2
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(served[1]))
   for a, b in zip(one, many):
     assert a["length"] == b["length"] and a["reward"] == b["reward"]   # same rollouts
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-4, atol=1e-6)
