@@ -12,7 +12,7 @@ python -m experiments.agentic_figure --out=docs/results/agentic
               answer. Few steps: the policy is not already perfect.
   evaluate    `--eval_n` held-out tasks (another seed) rolled out to their ends through the
               serving engine (k3jax/posttrain/rl/env.py) at temperature 1, once with the tool
-              (the sandbox) and once withheld (`ToolEnv(tool_available=False)`: every call is
+              (the sandbox) and once withheld (`ToolEnv(withheld="all")`: every call is
               answered "error: tool unavailable"); accuracy = exact final answer, with its
               standard error sqrt(p(1−p)/n).
   RL          `--rounds` agentic rounds (k3jax/posttrain/rl/agentic.py, configs/rl_agentic_tiny.py:
@@ -210,7 +210,7 @@ def evaluate(r, config, variables, tasks, tool: bool, seed: int = 7) -> dict:
   env = ToolEnv(limits=sandbox.Limits(cpu_seconds=a.tool_cpu_seconds,
                                       wall_seconds=a.tool_wall_seconds),
                 max_turns=a.max_turns, max_tokens=a.max_tokens,
-                max_reply_tokens=a.max_reply_tokens, tool_available=tool)
+                max_reply_tokens=a.max_reply_tokens, withheld=() if tool else "all")
   variables = {"params": variables["params"], "balance": variables.get("balance", {})}
   engine = Engine(config, jax.tree.map(jnp.asarray, variables), engine_config(r))
   trajs = rollout(engine, tasks, env, temperature=1.0, seed=seed)

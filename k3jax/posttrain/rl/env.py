@@ -32,7 +32,8 @@ crop's placeholders, then "cell B3"); the image joins `images` when the message 
 tokens. Every request carries the trajectory's images as one media stream of
 `media_length` patches (`media`), with a digest per placeholder as its prefix-cache key, so a
 later turn resumes from the cache like a text one. `withheld` tools are answered with a tool
-error ("error: the crop tool is unavailable"): the figure's tool-withheld condition.
+error ("error: the crop tool is unavailable"): the figure's tool-withheld condition;
+`withheld="all"` answers every call `TOOL_UNAVAILABLE`.
 
 Effort (the report's T(y)): `effort_tokens` = thinking tokens (text in `think` channels),
 plus, for agentic tasks, the tokens of every tool call's arguments (their canonical JSON).
@@ -109,21 +110,25 @@ class ToolEnv:
   """The environment (module doc). limits: the sandbox's; max_turns: replies per trajectory;
   max_tokens: tokens per trajectory (prompt included; at most the engine's max_len);
   max_reply_tokens: one reply's cap; tool_chars: a tool message's longest text.
-  tool_available: False withholds the tool — every call, well formed or not, is answered with
-  the tool message `TOOL_UNAVAILABLE` and nothing runs (the "without the tool" arm of an
-  evaluation; the prompt still declares the tool); tools: the tools offered (`TOOLS`);
-  withheld: offered tools answered "error: the <name> tool is unavailable"; vision_config,
+  tools: the tools offered (`TOOLS`); withheld: offered tools answered "error: the <name> tool
+  is unavailable", or "all": every call, well formed or not, whatever its name, is answered
+  `TOOL_UNAVAILABLE` and nothing runs (the "without the tool" arm of an evaluation; the
+  prompt still declares the tools); vision_config,
   media_id, media_length: a multimodal policy's tower, placeholder id and stream length
   (needed by `crop`)."""
 
   def __init__(self, *, limits: sandbox.Limits = sandbox.Limits(), max_turns: int = 4,
                max_tokens: int = 512, max_reply_tokens: int = 128, tool_chars: int = 400,
                tokenizer=None, tools: Sequence[str] = ("python",),
-               withheld: Sequence[str] = (), vision_config=None, media_id: int | None = None,
-               media_length: int | None = None, tool_available: bool = True):
+               withheld: Sequence[str] | str = (), vision_config=None,
+               media_id: int | None = None, media_length: int | None = None):
     if max_turns < 1 or max_tokens < 1 or max_reply_tokens < 1:
       raise ValueError("ToolEnv: max_turns, max_tokens and max_reply_tokens must be >= 1")
-    bad = [t for t in tuple(tools) + tuple(withheld) if t not in TOOLS]
+    every = isinstance(withheld, str)
+    if every and withheld != "all":
+      raise ValueError(f"ToolEnv.withheld: tool names or 'all', found {withheld!r}")
+    withheld = () if every else tuple(withheld)
+    bad = [t for t in tuple(tools) + withheld if t not in TOOLS]
     if bad or not tools:
       raise ValueError(f"ToolEnv.tools / withheld: names from {TOOLS}, found {bad or tools}")
     if "crop" in tools and (vision_config is None or media_id is None):
@@ -131,8 +136,9 @@ class ToolEnv:
                        "multimodal model's tower and placeholder id)")
     self.limits, self.max_turns, self.max_tokens = limits, max_turns, max_tokens
     self.max_reply_tokens, self.tool_chars = max_reply_tokens, tool_chars
-    self.tools, self.withheld = tuple(tools), tuple(withheld)
-    self.tool_available = bool(tool_available)
+    self.tools = tuple(tools)
+    self.withheld = tuple(tools) if every else withheld
+    self.all_withheld = every
     self.vision_config, self.media_id = vision_config, media_id
     self.media_length = media_length or (vision_config.pack_buckets[0] if vision_config
                                          else None)
@@ -223,9 +229,9 @@ class ToolEnv:
   def run_tool(self, call: chat.ToolCall, traj: Trajectory | None = None
                ) -> tuple[str, tuple]:
     """One tool call's (result text, images) (errors as text: the policy reads them).
-    `tool_available=False`: no tool at all, every call (whatever its name) is answered
-    TOOL_UNAVAILABLE; `withheld`: the named tools answer that they are unavailable."""
-    if not self.tool_available:
+    `withheld="all"`: no tool at all, every call (whatever its name) is answered
+    TOOL_UNAVAILABLE; named `withheld` tools answer that they are unavailable."""
+    if self.all_withheld:
       return TOOL_UNAVAILABLE, ()
     if call.name not in self.tools:
       return (f"error: unknown tool {call.name!r} (available: {', '.join(self.tools)})", ())
@@ -248,7 +254,7 @@ class ToolEnv:
 
   def run_call(self, call: chat.ToolCall, traj: Trajectory | None = None) -> str:
     """One python call's result text (errors as text: the policy reads them)."""
-    if not self.tool_available:
+    if self.all_withheld:
       return TOOL_UNAVAILABLE
     if call.name != "python" or "python" not in self.tools:
       return self.run_tool(call, traj)[0]

@@ -1,6 +1,6 @@
 """The tool environment and multi-turn rollouts through the serving engine
 (k3jax/posttrain/rl/env.py): scripted replies (tool calls run in the sandbox, errors returned,
-the loss mask, T(y)); the tool withheld (`tool_available=False`: every call answered
+the loss mask, T(y)); the tool withheld (`withheld="all"`: every call answered
 `TOOL_UNAVAILABLE`, no code runs, the trajectory goes on as with the tool — the "without the
 tool" arm of experiments/agentic_figure.py); engine rollouts of a 2-layer model (KDA + MLA):
 every later turn resumes from the prefix cache at the previous turn boundary, engine
@@ -10,6 +10,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 from k3jax.config import preset
 from k3jax.data import chat, tool_tasks as T
@@ -93,7 +94,8 @@ def test_withheld_tool_answers_every_call_with_an_error():
            chat.ToolCall("shell", {"cmd": "ls"})]
   arms = {}
   for available in (True, False):
-    env = E.ToolEnv(limits=LIMITS, max_turns=3, max_tokens=2000, tool_available=available)
+    env = E.ToolEnv(limits=LIMITS, max_turns=3, max_tokens=2000,
+                    withheld=() if available else "all")
     traj = E.Trajectory(task, list(task.tokens), len(task.tokens))
     r1 = _reply(env, "use the tool", calls)
     nxt = env.after_reply(traj, r1, [-0.5] * len(r1), "stop", 0, len(task.tokens))
@@ -112,11 +114,14 @@ def test_withheld_tool_answers_every_call_with_an_error():
   assert traj_without.policy == traj_with.policy[:len(traj_without.policy)]
   assert traj_without.argument_tokens == traj_with.argument_tokens > 0
   # The answer still ends the trajectory and is checked.
-  env = E.ToolEnv(limits=LIMITS, max_turns=3, max_tokens=2000, tool_available=False)
+  env = E.ToolEnv(limits=LIMITS, max_turns=3, max_tokens=2000, withheld="all")
   r2 = _reply(env, "", None, f"= {task.answer}")
   assert env.after_reply(traj_without, r2, [0.0] * len(r2), "stop", 0, 0) is None
   assert traj_without.finish == "answer" and T.is_correct(task, traj_without.response)
   assert env.run_call(chat.ToolCall("python", {"code": "print(1)"})) == E.TOOL_UNAVAILABLE
+  assert env.withheld == env.tools == ("python",)
+  with pytest.raises(ValueError, match="ToolEnv.withheld: tool names or 'all', found 'none'"):
+    E.ToolEnv(withheld="none")
 
 
 def test_engine_rollout_caches_turns_and_matches_trainer_logprobs():
