@@ -329,7 +329,9 @@ def _stage_fields(stage, run, config, num_devices, seq_len, batch_size, cost) ->
                         mla_query_block=config.modes.mla_query_block,
                         mla_key_block=config.modes.mla_key_block,
                         kda_chunk_size=config.modes.kda_chunk_size,
-                        moe_capacity_factor=config.modes.moe_capacity_factor))
+                        moe_capacity_factor=config.modes.moe_capacity_factor,
+                        ce_chunks=config.modes.ce_chunks,
+                        mtp_full_length=config.modes.mtp_full_length))
   if stage is not None:
     st = next(x for x in run_stages() if x.seq_len == STAGES[stage])
     stage_tokens = st.steps * (st.batch_size or 0) * st.seq_len

@@ -5,9 +5,10 @@ python -m experiments.rl_pipeline --out=runs/rl_pipeline [--results=docs/results
 
 Stages (each resumes from its output when that exists):
   1. cold start   supervised warm-up on thinking-mode replies (0–8 filler dots in `think`,
-                  then the answer; experiments/rl_figures.py `train_cold_start`; with
-                  --cold_start_by_effort the length follows the prompt's effort option:
-                  low 0–2, high 3–5, max 6–8) → OUT/cold_start.
+                  then the answer; experiments/rl_figures.py `train_cold_start`; by
+                  default the length follows the prompt's effort option, low 0–2, high
+                  3–5, max 6–8; --nocold_start_by_effort: 0–8 at every level) →
+                  OUT/cold_start.
   2. teachers     for every (domain, effort): RL from the cold start on that domain, on
                   prompts WITHOUT the effort option (the prompt the teacher later scores), with
                   the effort level's own budget regime on T(y) = thinking tokens:
@@ -63,9 +64,9 @@ def define_flags() -> None:
   flags.DEFINE_float("mopd_coef", 1.0, "β: weight of the MOPD per-token reward.")
   flags.DEFINE_integer("eval_n", 128, "Evaluation prompts per effort level.")
   flags.DEFINE_string("qat", "mxfp4_mxfp8", "rl.expert_qat of every RL run (empty: off).")
-  flags.DEFINE_bool("cold_start_by_effort", False, "Cold-start thinking lengths by the "
-                    "prompt's effort option (low 0-2, high 3-5, max 6-8 dots) instead of 0-8 "
-                    "at every level.")
+  flags.DEFINE_bool("cold_start_by_effort", True, "Cold-start thinking lengths by the "
+                    "prompt's effort option (low 0-2, high 3-5, max 6-8 dots); false: 0-8 at "
+                    "every level (the student then does not learn to read the option).")
 
 
 def settings_from_flags() -> dict:
