@@ -42,7 +42,7 @@ from k3jax.cache import (commit_paged, kda_rows, kda_set_rows, kda_zeros, page_p
 from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.serve import kv_spec
-from k3jax.serve.sampling import LOGPROBS, sample_rows
+from k3jax.serve.sampling import sample_rows
 from k3jax.vision.media import MediaEmbeddings
 
 
@@ -133,8 +133,6 @@ class DeviceState:
   def __init__(self, config: ModelConfig, variables, *, num_tiles: int, rows: int,
                num_pages: int, page_size: int, num_checkpoints: int, num_top: int = 5,
                draft_len: int = 0, prefill_rows: int = 1, logprobs: str = "model"):
-    if logprobs not in LOGPROBS:
-      raise ValueError(f"logprobs: expected one of {LOGPROBS}, found {logprobs!r}")
     self.config = config.for_inference()
     self.set_variables(variables)
     self.rows = rows
@@ -146,7 +144,6 @@ class DeviceState:
     self.prefill_rows = prefill_rows
     self.stage = kda_zeros(self.config, prefill_rows)
     self._zero_row = kda_zeros(self.config, 1)
-    self.logprobs = logprobs
     self._p = programs(self.config, num_top, logprobs)
     if draft_len:
       if not self.config.text.num_mtp_layers:

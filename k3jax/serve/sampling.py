@@ -153,13 +153,20 @@ def logprobs_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   samples from (`probs_rows`: temperature, top-k and top-p applied; -inf outside the kept
   tokens), what an RL update needs as the behaviour policy's log-prob at a temperature other
   than 1. Greedy rows (temperature 0) report the model's own in both."""
+  x = logits.astype(jnp.float32)
+  filtered_hot = _filtered_rows(x, temperature, top_k, top_p) if of == "sampling" else None
+  return _logprobs_of(x, filtered_hot, of)
+
+
+def _logprobs_of(x, filtered_hot, of: str):
+  """`logprobs_rows` from fp32 logits and, for of="sampling", `_filtered_rows`' (filtered,
+  hot) already computed (the sampler has them)."""
   if of not in LOGPROBS:
     raise ValueError(f"logprobs: expected one of {LOGPROBS}, found {of!r}")
-  x = logits.astype(jnp.float32)
   own = jax.nn.log_softmax(x, axis=-1)
   if of == "model":
     return own
-  filtered, hot = _filtered_rows(x, temperature, top_k, top_p)
+  filtered, hot = filtered_hot
   return jnp.where(hot[:, None], jax.nn.log_softmax(filtered, axis=-1), own)
 
 
@@ -183,7 +190,7 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
   keys = row_keys(seeds, counters) if keys is None else keys
   drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered)
   tokens = jnp.where(hot, drawn, jnp.argmax(x, axis=-1)).astype(jnp.int32)
-  logp = logprobs_rows(x, temperature, top_k, top_p, logprobs)
+  logp = _logprobs_of(x, (filtered, hot), logprobs)
   chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   if not num_top:
     return tokens, chosen, None
