@@ -32,8 +32,9 @@ finished or cancelled request frees its slot and its pages' references at once.
 Pause and resume (partial rollouts that keep their caches, k3jax/posttrain/rl/partial.py).
 `pause(id)` takes a running request out of its slot between steps: the slot is freed, the
 request's MLA pages stay allocated and referenced by it (the paused record), and its slot's KDA
-caches (recurrent states and conv tails: fixed size) are copied out to a device array of one
-row. `resume(id)` queues it; at the next admission it takes any free slot before the waiting
+caches (recurrent states and conv tails: fixed size) — with speculative decoding also its
+pending draft pairs (the MTP layer's next inputs; its MLA latents are in the pages) — are
+copied out to device arrays of one row. `resume(id)` queues it; at the next admission it takes any free slot before the waiting
 requests, its KDA row is copied back and its pages re-attached to that slot's block-table row,
 and it continues the same token list (decode, or the rest of its prompt's pieces if it was
 paused mid-prefill) with no prefill of what it already holds. A request paused before it was
@@ -248,7 +249,8 @@ class _Paused:
   pages: list[int] = dataclasses.field(default_factory=list)
   pieces: list[tuple[int, int]] = dataclasses.field(default_factory=list)
   next_token: int = 0
-  kda: object = None                       # the slot's KDA caches, one row (device arrays)
+  kda: object = None                       # the slot's row (`DeviceState.take_row`): KDA
+                                           # caches and pending draft pairs (device arrays)
 
 
 class Engine:
@@ -373,12 +375,10 @@ class Engine:
 
   def pause(self, request_id: str) -> None:
     """Pause a running (or waiting) request between steps (module doc): its slot is freed, its
-    pages and KDA caches kept for `resume`. ValueError for an unknown, finished or already
-    paused request, and with speculative decoding (draft_len > 0)."""
+    pages, KDA caches and (with speculative decoding) pending draft pairs kept for `resume`.
+    ValueError for an unknown, finished or already paused request."""
     with self._step_lock:
       self._take_inbox()
-      if self.ec.draft_len:
-        raise ValueError("pause: not supported with speculative decoding (draft_len > 0)")
       req = self._known(request_id, "pause")
       if request_id in self.paused:
         raise ValueError(f"pause: request {request_id!r} is already paused")

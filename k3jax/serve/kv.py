@@ -271,12 +271,17 @@ class DeviceState:
     self.kda[tile] = self._p["copy_row"](self.kda[tile], _i32(row), self.store, _i32(slot))
 
   def take_row(self, tile: int, row: int):
-    """A copy of slot (tile, row)'s KDA caches, one row (device arrays; a paused request's)."""
-    return self._p["take"](self.kda[tile], _i32(row))
+    """A copy of slot (tile, row)'s state, one row (device arrays; a paused request's): its
+    KDA caches and, with a draft, its pending pairs — (kda, pend or None)."""
+    pend = self._s["take_pend"](self.pend[tile], _i32(row)) if self.draft_len else None
+    return self._p["take"](self.kda[tile], _i32(row)), pend
 
   def put_row(self, rows, tile: int, row: int) -> None:
-    """Slot (tile, row)'s KDA caches ← `rows` (from `take_row`)."""
-    self.kda[tile] = self._p["put"](self.kda[tile], _i32(row), rows)
+    """Slot (tile, row)'s state ← `rows` (from `take_row`)."""
+    kda, pend = rows
+    self.kda[tile] = self._p["put"](self.kda[tile], _i32(row), kda)
+    if self.draft_len:
+      self.pend[tile] = self._s["put_pend"](self.pend[tile], _i32(row), pend)
 
   def to_host(self, slot: int):
     """Checkpoint slot `slot` as numpy arrays (host offload)."""

@@ -128,6 +128,16 @@ def _set_pend(pend, row, h, token):
           pt.at[row].set(jnp.zeros_like(pt[row]).at[0].set(token)), pn.at[row].set(1))
 
 
+def _take_pend(pend, row):
+  """Row `row`'s pending pairs (a paused request's): (features [n+1, d], tokens [n+1], count)."""
+  return tuple(x[row] for x in pend)
+
+
+def _put_pend(pend, row, rows):
+  """Row `row`'s pending pairs ← `rows` (from `_take_pend`)."""
+  return tuple(x.at[row].set(y) for x, y in zip(pend, rows))
+
+
 @functools.lru_cache(maxsize=None)
 def speculative_programs(config: ModelConfig, draft_len: int, num_top: int,
                          logprobs: str = "model") -> dict:
@@ -139,6 +149,8 @@ def speculative_programs(config: ModelConfig, draft_len: int, num_top: int,
       round=jax.jit(functools.partial(_round, config, draft_len, num_top, logprobs),
                     donate_argnums=(1, 2, 3)),
       set_pend=jax.jit(_set_pend, donate_argnums=(0,)),
+      take_pend=jax.jit(_take_pend),
+      put_pend=jax.jit(_put_pend, donate_argnums=(0,)),
   )
 
 
