@@ -454,6 +454,13 @@ class RunModes:
   ce_chunks: int | None = None
   # Capacity per expert = ceil(capacity_factor * tokens * k / num_experts); None = dropless.
   moe_capacity_factor: float | None = None
+  # The backward pass releases a MoE layer's input gradient only together with its expert
+  # weights' gradients (`ops.moe.tie_gradients`): XLA's scheduler otherwise defers every
+  # layer's expert weight gradients (and their reduce-scatter) to the end of the backward, so
+  # each layer's dispatched rows, gate/up activations and output gradients stay live until
+  # then (k3's 1M stage: ~5 GB a MoE layer a chip, docs/notes/long_context.md). Numerics are
+  # the same; it only orders the work.
+  expert_grad_barrier: bool = False
 
   # --- routed experts: storage and QAT (docs/notes/moe.md, docs/notes/qat.md)
   #   "bf16"  unquantised, in `param_dtype` (trainable; the name follows the release's

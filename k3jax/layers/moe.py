@@ -179,6 +179,8 @@ class StableLatentMoE(nn.Module):
         w1, w3, w2 = (w if isinstance(w, tuple) else fq(w) for w in (w1, w3, w2))
         qat_kw = dict(input_quant=qat.input_format(cfg.modes.expert_qat))
       cast = lambda w: w if isinstance(w, tuple) else w.astype(compute)
+      if cfg.modes.expert_grad_barrier and not any(isinstance(w, tuple) for w in (w1, w3, w2)):
+        z, w1, w3, w2 = moe_ops.tie_gradients(z, w1, w3, w2)
       u, dropped = backend.expert_mlp_fn(cfg)(
           z, weights, indices.astype(jnp.int32), cast(w1), cast(w3), cast(w2),
           activation=cfg.text.activation, beta1=cfg.text.situ_beta1,

@@ -149,6 +149,28 @@ def _no_dequant_residuals(fn, in_scan: bool):
   return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
+@jax.custom_vjp
+def tie_gradients(*xs):
+  """The identity on xs, whose backward pass hands back every cotangent at once (through one
+  `optimization_barrier`): whatever consumes one of them — the input gradient, which the
+  earlier layers' backward needs — waits until all are computed. A MoE layer ties its latent
+  input to its expert weights (`RunModes.expert_grad_barrier`), so each layer's weight
+  gradients are made, and reduce-scattered, inside that layer's backward rather than whenever
+  the scheduler likes (which keeps their operands live)."""
+  return xs
+
+
+def _tie_fwd(*xs):
+  return xs, None
+
+
+def _tie_bwd(_, cotangents):
+  return tuple(jax.lax.optimization_barrier(tuple(cotangents)))
+
+
+tie_gradients.defvjp(_tie_fwd, _tie_bwd)
+
+
 def batched_experts(rows: Array, w1, w3, w2, act) -> Array:
   """Expert e's MLP on rows[e]: rows [E, C, D] → [E, C, D] in rows.dtype.
 

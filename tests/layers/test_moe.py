@@ -147,3 +147,28 @@ def test_xla_and_pallas_backends_agree():
     outs[be] = (np.asarray(y), jax.tree.map(np.asarray, st))
   np.testing.assert_allclose(outs["pallas"][0], outs["xla"][0], rtol=1e-5, atol=1e-5)
   jax.tree.map(np.testing.assert_array_equal, outs["pallas"][1], outs["xla"][1])
+
+
+def test_expert_grad_barrier_orders_the_backward_only():
+  """`expert_grad_barrier`: the same output and gradients (values), and the backward pass
+  holds one optimization barrier over the latent input's and the expert weights' cotangents
+  (none without the mode, none in the forward)."""
+  cfg = preset("tiny")
+  x = jax.random.normal(jax.random.key(4), (2, 8, cfg.text.d_model))
+  outs = {}
+  for on in (False, True):
+    c = cfg.replace(expert_grad_barrier=on)
+    mod, v = _init(c, x)
+
+    def loss(p, x_, mod=mod, v=v):
+      return jnp.sum(jnp.sin(mod.apply({**v, "params": p}, x_)))
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    outs[on] = (mod.apply(v, x), g(v["params"], x))
+    hlo = g.lower(v["params"], x).as_text()
+    fwd = jax.jit(mod.apply).lower(v, x).as_text()
+    assert hlo.count("optimization_barrier") == (1 if on else 0) and (
+        "optimization_barrier" not in fwd)
+  np.testing.assert_array_equal(outs[True][0], outs[False][0])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               outs[True][1], outs[False][1])
