@@ -88,8 +88,10 @@ import importlib.util
 import math
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -203,16 +205,55 @@ def _shard_gib(tree, shardings, host: bool = False) -> float:
              if (s.memory_kind == "pinned_host") == host) / 2.0 ** 30
 
 
+def peak_live_buffers(dump_dir: str, top: int) -> dict:
+  """What the compiled step holds at its peak, from XLA's dump of it (`xla_dump_to`): the
+  buffer live ranges' peak point, the bytes live there, and the `top` largest buffers live
+  there with their shapes and the jax operation that made each (`op_name`, e.g.
+  "…/layers_2/block_sparse_moe/shard_map/ecd,edf->ecf/dot_general" — "rematted_computation"
+  in it marks the backward's recomputation; "" where XLA kept no metadata, as for many CPU
+  fusions). The step's module is the largest `jit_step` live-range file; {} when the dump
+  has none."""
+  names = [f for f in os.listdir(dump_dir) if "jit_step" in f and f.endswith("live-range.txt")]
+  if not names:
+    return {}
+  path = max((os.path.join(dump_dir, f) for f in names), key=os.path.getsize)
+  live, at = [], None
+  with open(path) as fh:
+    for line in fh:
+      if at is None:
+        m = re.match(r"\s+Live ranges at (\d+) \(peak\):", line)
+        at = int(m.group(1)) if m else None
+        continue
+      m = re.match(r"\s+(\S+?)(\{[^}]*\})?: (\d+) bytes", line)
+      if not m:
+        break
+      live.append((int(m.group(3)), m.group(1), m.group(2) or ""))
+  live.sort(key=lambda x: -x[0])
+  want = {name for _, name, _ in live[:top]}
+  ops = {}
+  with open(path[:-len("-live-range.txt")] + ".txt") as fh:
+    for line in fh:
+      m = re.match(r"\s+(?:ROOT )?%(\S+) = (\S+) ", line)
+      if m and m.group(1) in want:
+        op = re.search(r'op_name="([^"]*)"', line)
+        ops[m.group(1)] = (m.group(2), op.group(1) if op else "")
+  return dict(position=at, bytes=sum(b for b, _, _ in live), buffers=len(live),
+              top=[dict(buffer=n + idx, bytes=b, shape=ops.get(n, ("", ""))[0],
+                        op=ops.get(n, ("", ""))[1]) for b, n, idx in live[:top]])
+
+
 def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target: str = "tpu",
                 topology: str | None = None, preset_name: str = "k3",
                 num_layers: int | None = None, layout: dict | None = None,
                 muon: bool = True, param_dtype: str = "float32", mu_dtype: str = "",
                 offload_momentum: bool = False, stage: str | None = None,
-                stage_modes: dict | None = None, fsdp_over_context: bool | None = None) -> dict:
+                stage_modes: dict | None = None, fsdp_over_context: bool | None = None,
+                peak_buffers: int = 0) -> dict:
   """The trainer's step compiled for `num_devices` (module doc, part "memory"). With `stage`
   (a name of `STAGES`), the stage's run config from configs/k3.py (`stage_config`) gives the
   sequence length, the tokens per chip, the layout (unless `layout` is given), the run modes
-  and the optimizer's offload; `stage_modes` / `fsdp_over_context` override the stage's."""
+  and the optimizer's offload; `stage_modes` / `fsdp_over_context` override the stage's.
+  `peak_buffers` > 0: also the compiler's own account of its peak (`peak_live_buffers`)."""
   import jax
 
   from k3jax import sharding
@@ -264,7 +305,13 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
   state, state_sh = step.train.abstract_state, step.train.state_shardings
   lowered = step.train.lower(state, data_lib.abstract_batch(batch_size, seq_len))
   t1 = time.perf_counter()
-  compiled = lowered.compile()
+  peak_live = None
+  if peak_buffers:
+    with tempfile.TemporaryDirectory() as dump:
+      compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+      peak_live = peak_live_buffers(dump, peak_buffers)
+  else:
+    compiled = lowered.compile()
   t2 = time.perf_counter()
   ma = compiled.memory_analysis()
   cost = _cost(compiled)
@@ -298,6 +345,7 @@ def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target
       host_alias_gib=getattr(ma, "host_alias_size_in_bytes", 0) / gib,
       generated_code_gib=ma.generated_code_size_in_bytes / gib,
       fits=peak / gib <= V5P_HBM_GIB, fsdp_over_context=over_context,
+      **({} if peak_live is None else {"peak_live_buffers": peak_live}),
       **_stage_fields(stage, run, config, num_devices, seq_len, batch_size, cost))
 
 
@@ -858,6 +906,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                       "modes, or without --stage of the preset's", **fv)
   flags.DEFINE_enum("fsdp_over_context", None, ["true", "false"], "memory part: params and "
                     "optimizer state also sharded over `context` (default: the stage's)", **fv)
+  flags.DEFINE_integer("peak_buffers", 0, "memory part: also list this many of the largest "
+                       "buffers live at the compiled step's peak, with the op that made each "
+                       "(from an XLA dump into a temporary directory)", **fv)
   flags.DEFINE_string("out", None, "also write the JSON object to this path", **fv)
   flags.DEFINE_bool("child", False, "internal: run one measurement in this process (the "
                     "parent starts it with the right devices)", **fv)
@@ -908,7 +959,7 @@ def run(a: flags.FlagValues) -> None:
                         offload_momentum=recipe(a.devices, "offload_momentum"),
                         stage=a.stage, stage_modes=parse_modes(a.stage_modes),
                         fsdp_over_context=None if a.fsdp_over_context is None
-                        else a.fsdp_over_context == "true")
+                        else a.fsdp_over_context == "true", peak_buffers=a.peak_buffers)
     else:
       res = ep_part(a.ep_layout, a.steps, a.ep_batch, a.ep_seq_len, a.ep_num_layers)
     print(json.dumps(res))
@@ -937,6 +988,7 @@ def run(a: flags.FlagValues) -> None:
       args += ["--stage", a.stage] if a.stage else []
       args += ["--stage_modes", a.stage_modes] if a.stage_modes else []
       args += ["--fsdp_over_context", a.fsdp_over_context] if a.fsdp_over_context else []
+      args += ["--peak_buffers", str(a.peak_buffers)] if a.peak_buffers else []
       try:
         results.append(_subprocess(args, n if a.target == "cpu" else None))
       except RuntimeError as e:

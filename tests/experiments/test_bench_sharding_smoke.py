@@ -6,6 +6,8 @@ deviceless TPU compile itself needs the `tpu_aot` extra; docs/notes/sharding.md 
 check."""
 
 import importlib.util
+import math
+import re
 import shlex
 
 import pytest
@@ -52,6 +54,8 @@ DOCUMENTED = [
     "--fsdp_over_context false",
     "--part memory --stage 1M --num_layers 9 --stage_modes num_mtp_layers=0",
     "--part memory --stage 1M --stage_modes mtp_full_length=false",
+    "--part memory --stage 1M --peak_buffers 40 --stage_modes ce_chunks=8,mla_key_block=2048,"
+    "mla_query_block=2048,moe_capacity_factor=1.0,expert_grad_barrier=true",
     "--part memory --target cpu --devices 8 --preset tiny --num_layers 2 --seq_len 8192 "
     "--per_device_batch 1 --layout data=1,fsdp=1,expert=1,context=8 --stage_modes "
     "mtp_full_length=true,mla_key_block=1024,mla_query_block=1024",
@@ -164,7 +168,7 @@ def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
 
   monkeypatch.setattr(sharded, "build_step", spy)
   r = bench.memory_part(8, 16, 1, target="cpu", preset_name="tiny", num_layers=2,
-                        layout=dict(data=1, fsdp=2, expert=4))
+                        layout=dict(data=1, fsdp=2, expert=4), peak_buffers=6)
   assert len(calls) == 1 and dict(calls[0].shape)["expert"] == 4
   assert r["layout"] == dict(data=1, fsdp=2, expert=4, context=1, tensor=1)
   assert r["global_batch"] == 8 and r["num_layers"] == 2
@@ -174,6 +178,20 @@ def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
   assert r["flops_per_chip"] > 0 and r["bytes_accessed_per_chip"] > 0
   assert r["tokens_per_chip_per_step"] == 16
   assert r["flops_per_token"] == pytest.approx(r["flops_per_chip"] / 16)
+  # XLA's own account of the peak (its dump): the bytes live there are within what
+  # memory_analysis counts, the largest buffers come first, and each one's bytes are its
+  # shape's (f32[64,272] → 69,632).
+  pk = r["peak_live_buffers"]
+  total = r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
+  assert r["temp_bytes"] < pk["bytes"] <= total and pk["position"] > 0
+  sizes = [b["bytes"] for b in pk["top"]]
+  assert len(sizes) == 6 and sizes == sorted(sizes, reverse=True)
+  width = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
+  for b in pk["top"]:
+    m = re.match(r"(\w+)\[([\d,]*)\]", b["shape"])
+    assert m, b
+    assert b["bytes"] == width[m.group(1)] * math.prod(int(x) for x in m.group(2).split(",")
+                                                        if x), b
 
 
 def test_a_refused_stage_records_the_stage(monkeypatch, capsys):
