@@ -54,6 +54,9 @@ _LAYERS = flags.DEFINE_integer("layers", 2, "Model layers (2: one KDA, one MLA w
 _MAX_REPLY = flags.DEFINE_integer("max_reply_tokens", 80, "One reply's token cap.", flag_values=FLAGS)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 480, "A trajectory's token cap (prompt too).", flag_values=FLAGS)
 _SEED = flags.DEFINE_integer("seed", 0, "Model init / SFT seed.", flag_values=FLAGS)
+_BUDGET = flags.DEFINE_bool("budget", True, "The config's effort budget on T(y) during RL "
+                            "(τ 1.5 → 1.0 of the initial policy's b₀); --nobudget: reward = "
+                            "accuracy only.", flag_values=FLAGS)
 
 EFFORT = "high"
 _TRAIN_SEED, _RL_SEED, _EVAL_SEED = 101, 202, 303
@@ -120,6 +123,7 @@ def rl_run_config():
   c.agent.update(dict(max_tokens=_MAX_TOKENS.value, max_reply_tokens=_MAX_REPLY.value,
                       max_turns=3, num_slots=_N_PROMPTS.value * _K.value))
   c.optim.update(dict(lr=_LR.value, muon=False, warmup_frac=0.0, final_lr_frac=1.0))
+  c.budget.enabled = _BUDGET.value
   c.seed = _SEED.value
   return c, rl_config(c)
 
@@ -256,7 +260,7 @@ def main(argv):
                       "agent": {k: getattr(r.agent, k) for k in ("max_turns", "max_tokens",
                                                                  "max_reply_tokens")},
                       "adv_std_norm": r.loss.adv_std_norm, "lr": c.optim.lr,
-                      "model_layers": _LAYERS.value},
+                      "budget": r.budget.enabled, "model_layers": _LAYERS.value},
          "cold_start": sft_rec}
   res["before"] = {arm: evaluate(r, config, variables, held, tool)
                    for arm, tool in (("tool", True), ("withheld", False))}

@@ -379,7 +379,8 @@ def _stage_fields(stage, run, config, num_devices, seq_len, batch_size, cost) ->
                         kda_chunk_size=config.modes.kda_chunk_size,
                         moe_capacity_factor=config.modes.moe_capacity_factor,
                         ce_chunks=config.modes.ce_chunks,
-                        mtp_full_length=config.modes.mtp_full_length))
+                        mtp_full_length=config.modes.mtp_full_length,
+                        expert_grad_barrier=config.modes.expert_grad_barrier))
   if stage is not None:
     st = next(x for x in run_stages() if x.seq_len == STAGES[stage])
     stage_tokens = st.steps * (st.batch_size or 0) * st.seq_len
