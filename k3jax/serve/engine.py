@@ -34,10 +34,11 @@ Pause and resume (partial rollouts that keep their caches, k3jax/posttrain/rl/pa
 request's MLA pages stay allocated and referenced by it (the paused record), and its slot's KDA
 caches (recurrent states and conv tails: fixed size) — with speculative decoding also its
 pending draft pairs (the MTP layer's next inputs; its MLA latents are in the pages) — are
-copied out to device arrays of one row. `resume(id)` queues it; at the next admission it takes any free slot before the waiting
-requests, its KDA row is copied back and its pages re-attached to that slot's block-table row,
-and it continues the same token list (decode, or the rest of its prompt's pieces if it was
-paused mid-prefill) with no prefill of what it already holds. A request paused before it was
+copied out to device arrays of one row. `resume(id)` queues it; at the next admission it
+takes any free slot before the waiting requests, its row is copied back and its pages
+re-attached to that slot's block-table row, and it continues the same token list (decode, or
+the rest of its prompt's pieces if it was paused mid-prefill) with no prefill of what it
+already holds. A request paused before it was
 admitted holds nothing and resumes at the head of the queue. Paused requests survive
 `set_variables` (their caches, computed by the old weights, stay: a stale cache, as K3's
 partial rollouts keep); `cancel` of a paused request releases its pages.
