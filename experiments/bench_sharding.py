@@ -207,8 +207,10 @@ def _shard_gib(tree, shardings, host: bool = False) -> float:
 
 def peak_live_buffers(dump_dir: str, top: int) -> dict:
   """What the compiled step holds at its peak, from XLA's dump of it (`xla_dump_to`): the
-  buffer live ranges' peak point, the bytes live there, and the `top` largest buffers live
-  there with their shapes and the jax operation that made each (`op_name`, e.g.
+  buffer live ranges' peak point, the bytes live there — on the device and in host memory
+  (memory space S(5) in the buffer's layout: offloaded layer inputs, Muon momentum) — and the
+  `top` largest device buffers (and a quarter as many host ones) live there, with their shapes
+  and the jax operation that made each (`op_name`, e.g.
   "…/layers_2/block_sparse_moe/shard_map/ecd,edf->ecf/dot_general" — "rematted_computation"
   in it marks the backward's recomputation; "" where XLA kept no metadata, as for many CPU
   fusions). The step's module is the largest `jit_step` live-range file; {} when the dump
@@ -229,7 +231,7 @@ def peak_live_buffers(dump_dir: str, top: int) -> dict:
         break
       live.append((int(m.group(3)), m.group(1), m.group(2) or ""))
   live.sort(key=lambda x: -x[0])
-  want = {name for _, name, _ in live[:top]}
+  want = {name for _, name, _ in live}
   ops = {}
   with open(path[:-len("-live-range.txt")] + ".txt") as fh:
     for line in fh:
@@ -237,9 +239,14 @@ def peak_live_buffers(dump_dir: str, top: int) -> dict:
       if m and m.group(1) in want:
         op = re.search(r'op_name="([^"]*)"', line)
         ops[m.group(1)] = (m.group(2), op.group(1) if op else "")
-  return dict(position=at, bytes=sum(b for b, _, _ in live), buffers=len(live),
-              top=[dict(buffer=n + idx, bytes=b, shape=ops.get(n, ("", ""))[0],
-                        op=ops.get(n, ("", ""))[1]) for b, n, idx in live[:top]])
+  rows = [dict(buffer=n + idx, bytes=b, shape=ops.get(n, ("", ""))[0],
+               op=ops.get(n, ("", ""))[1]) for b, n, idx in live]
+  host = [r for r in rows if "S(5)" in r["shape"]]
+  device = [r for r in rows if "S(5)" not in r["shape"]]
+  return dict(position=at, bytes=sum(r["bytes"] for r in rows), buffers=len(rows),
+              device_bytes=sum(r["bytes"] for r in device),
+              host_bytes=sum(r["bytes"] for r in host),
+              top=device[:top], top_host=host[:max(1, top // 4)] if host else [])
 
 
 def memory_part(num_devices: int, seq_len: int, per_device_batch: int, *, target: str = "tpu",

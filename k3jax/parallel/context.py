@@ -6,9 +6,10 @@ over one shard
     S_end = P · S_start + S0,        o_t = o0_t + S_startᵀ q̃_t
 where (o0, S0) is the shard run from a zero state and (q̃, P) the same run with v = 0 from
 S_start = I (P ∈ R^{K×K}; q̃_t = scale·P_tᵀ q_t). Both come from ONE call of the chunked op with
-the value columns [v | 0] and initial state [0 | I]. The shards' (P, S0) are all-gathered over
-`context` and composed in order (a scan of K×K·K×V products), giving each shard its true start
-state; its outputs are then corrected with one einsum. Document packing: inside a shard the op
+the value columns [v | 0] and initial state [0 | I]. The shards' affine maps (P, S0) are
+composed in order by a parallel prefix over `context` (⌈log2 n⌉ `ppermute` doubling steps;
+`_compose_shards`), giving each shard its true start state without any shard holding every
+shard's maps; its outputs are then corrected with one einsum. Document packing: inside a shard the op
 resets the state itself (so P = 0 after a boundary); a boundary at a shard's first token is
 applied by zeroing the carried-in state (the previous shard's last segment id arrives by
 `ppermute`).
@@ -119,21 +120,39 @@ def kda_context_parallel(
 
   init = (jnp.zeros((b, h, dk, dv), f32) if initial_state is None
           else initial_state.astype(f32))
-  # Gather every shard's (P, S0, keep) and compose them in order on every shard (a scan of
-  # n tiny matmuls beats n−1 sequential ppermute hops in latency).
-  ps, s0s, keeps = (jax.lax.all_gather(x, axis_name) for x in (p, s0, keep))
-
-  def compose(state, xs):  # state: end of the previous shard = start of shard j
-    p_j, s0_j, keep_j = xs
-    eff = state * keep_j[:, None, None, None]
-    end = jnp.einsum("bhij,bhjv->bhiv", p_j, eff, precision="highest") + s0_j
-    return end, eff
-
-  final, starts = jax.lax.scan(compose, init, (ps, s0s, keeps))
-  start = starts[idx]
+  start, final = _compose_shards(p, s0, keep, init, idx, axis_name)
   corr = jnp.einsum("bthk,bhkv->bthv", q_t, start, precision="highest")
   o = (o0.astype(f32) + corr).astype(o0.dtype)
   return o, final
+
+
+def _compose_shards(p: Array, s0: Array, keep: Array, init: Array, idx: Array,
+                    axis_name: str) -> tuple[Array, Array]:
+  """Each shard's start state and the global final state from the shards' affine maps.
+
+  Shard j maps the state it is handed, x, to  P_j (keep_j x) + S0_j. The maps are composed
+  in order by a parallel prefix over the axis (⌈log2 n⌉ doubling steps, each one `ppermute`
+  of a [B, H, K, K+V] map): a shard holds only its own running composition and the one it
+  receives, never every shard's (P, S0) — at 128 shards and k3's 96 heads of 128 × 128 an
+  all-gather of them would be 1.5 GiB a layer a chip, live through the layer's backward.
+  Returns start [B, H, K, V] (keep_j · the previous shard's end; shard 0: keep_0 · init) and
+  the final state (the last shard's end, on every shard)."""
+  n = _axis_size(axis_name)
+  dk = p.shape[-1]
+  a = p * keep[:, None, None, None]                 # x ↦ a x + c, the shard's own map
+  m = jnp.concatenate([a, s0], axis=-1)             # [B, H, K, K + V]
+  d = 1
+  while d < n:   # inclusive prefix: m_j ← m_j ∘ m_{j−d} (the older map applied first)
+    older = jax.lax.ppermute(m, axis_name, [(i, i + d) for i in range(n - d)])
+    both = jnp.einsum("bhij,bhjv->bhiv", m[..., :dk], older, precision="highest")
+    both = both.at[..., dk:].add(m[..., dk:])     # [a_j a_o | a_j c_o + c_j]
+    m = jnp.where(idx >= d, both, m)
+    d *= 2
+  end = jnp.einsum("bhij,bhjv->bhiv", m[..., :dk], init, precision="highest") + m[..., dk:]
+  prev_end = jnp.where(idx == 0, init, from_previous_shard(end, axis_name))
+  start = prev_end * keep[:, None, None, None]
+  final = jax.lax.psum(jnp.where(idx == n - 1, end, 0.0), axis_name) if n > 1 else end
+  return start, final
 
 
 def kda_context_parallel_sharded(

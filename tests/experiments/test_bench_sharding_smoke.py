@@ -184,6 +184,7 @@ def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
   pk = r["peak_live_buffers"]
   total = r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
   assert r["temp_bytes"] < pk["bytes"] <= total and pk["position"] > 0
+  assert (pk["device_bytes"], pk["host_bytes"], pk["top_host"]) == (pk["bytes"], 0, [])
   sizes = [b["bytes"] for b in pk["top"]]
   assert len(sizes) == 6 and sizes == sorted(sizes, reverse=True)
   width = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}

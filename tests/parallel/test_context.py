@@ -217,3 +217,37 @@ def test_from_previous_shard_shifts_by_one_shard():
   fn = jax.shard_map(lambda a: cp.from_previous_shard(a), mesh=mesh,
                      in_specs=P("data", "context"), out_specs=P("data", "context"))
   np.testing.assert_array_equal(fn(x), [[0, 0, 1, 2], [0, 4, 5, 6]])
+
+
+@pytest.mark.parametrize("n", [3, 5, 8])
+def test_shard_maps_compose_in_order_for_any_shard_count(n):
+  """The parallel prefix over the shards' affine maps x ↦ P_j (keep_j x) + S0_j (⌈log2 n⌉
+  ppermute doubling steps) gives every shard the start the sequential composition gives, and
+  every shard the last shard's end — also where n is not a power of two and a shard drops
+  what it is handed (keep 0)."""
+  rng = np.random.default_rng(n)
+  b, h = 2, 3
+  p = (0.5 * rng.standard_normal((n, b, h, K, K))).astype(np.float32)
+  s0 = rng.standard_normal((n, b, h, K, V)).astype(np.float32)
+  keep = np.ones((n, b), np.float32)
+  keep[n // 2, 0] = 0.0
+  init = rng.standard_normal((b, h, K, V)).astype(np.float32)
+  want_starts, state = [], init.astype(np.float64)
+  for j in range(n):
+    start = state * keep[j][:, None, None, None]
+    want_starts.append(start)
+    state = np.einsum("bhij,bhjv->bhiv", p[j], start) + s0[j]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("context",))
+  spec = P("context")
+
+  def body(p_, s0_, keep_, init_):
+    idx = jax.lax.axis_index("context")
+    start, final = cp._compose_shards(p_[0], s0_[0], keep_[0], init_, idx, "context")
+    return start[None], final[None]
+
+  starts, finals = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P()),
+                                         out_specs=(spec, spec), check_vma=False))(
+      p, s0, keep, init)
+  np.testing.assert_allclose(starts, np.stack(want_starts), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(finals, np.broadcast_to(state, finals.shape), rtol=1e-4,
+                             atol=1e-4)
