@@ -458,8 +458,8 @@ class RunModes:
   # weights' gradients (`ops.moe.tie_gradients`): XLA's scheduler otherwise defers every
   # layer's expert weight gradients (and their reduce-scatter) to the end of the backward, so
   # each layer's dispatched rows, gate/up activations and output gradients stay live until
-  # then (k3's 1M stage: ~5 GB a MoE layer a chip, docs/notes/long_context.md). Numerics are
-  # the same; it only orders the work.
+  # then (~5 GB a MoE layer a chip at k3's 1M working set, docs/notes/long_context.md).
+  # Numerics are the same; it only orders the work.
   expert_grad_barrier: bool = False
 
   # --- routed experts: storage and QAT (docs/notes/moe.md, docs/notes/qat.md)
