@@ -12,8 +12,11 @@ stage runs on the same 2048 chips (v5p:16x16x8) with one sequence's tokens on `c
   pre 8K       8,192    2,048  1, 32, 64,   1   remat per layer group
   pre 64K     65,536      256  1,  4, 64,   8   + MLA from the latents in 2K-key blocks,
                                                   params and optimizer state over context too
-  cool 256K  262,144       64  1,  1, 64,  32   + layer inputs and Muon momentum in host memory
-  cool 1M  1,048,576       16  1,  1, 16, 128   + the same, 4K-key blocks
+  cool 256K  262,144       64  1,  1, 64,  32   + layer inputs and Muon momentum in host memory,
+                                                  2K query blocks, capacity factor 1.0, the
+                                                  cross-entropy in 8 chunks, expert gradients
+                                                  made layer by layer
+  cool 1M  1,048,576       16  1,  1, 16, 128   + the same
 
 (docs/notes/long_context.md: why each setting, and what was measured.)
 """
@@ -37,18 +40,21 @@ def _stage(steps, seq_len, *, fsdp, expert, context, modes, data="", evidence_fr
 
 def stages():
   """The curriculum: pre-training 8K → 64K, cool-down 256K → 1M (module doc)."""
-  long_rows = dict(remat=True, remat_offload=True, mla_query_block=4096, kda_chunk_size=64)
+  # The cool-down's memory settings: what the deviceless compiles of the 256K and 1M steps
+  # needed least of (docs/results.md, "What the 1M step holds at its peak": 103.37 and
+  # 103.18 GiB a chip, still over the v5p's 95.74).
+  long_rows = dict(remat=True, remat_offload=True, mla_query_block=2048, mla_key_block=2048,
+                   kda_chunk_size=64, moe_capacity_factor=1.0, ce_chunks=8,
+                   expert_grad_barrier=True)
   return (
       _stage(80_000, 8_192, fsdp=32, expert=64, context=1,
              modes=dict(remat=True, mla_query_block=1024, mla_key_block=None)),
       _stage(15_000, 65_536, fsdp=4, expert=64, context=8,
              modes=dict(remat=True, mla_query_block=2048, mla_key_block=2048)),
       _stage(4_000, 262_144, fsdp=1, expert=64, context=32, data="long",
-             evidence_fraction=0.1, offload_momentum=True,
-             modes=dict(long_rows, mla_key_block=2048)),
+             evidence_fraction=0.1, offload_momentum=True, modes=long_rows),
       _stage(1_000, 1_048_576, fsdp=1, expert=16, context=128, data="long",
-             evidence_fraction=0.1, offload_momentum=True,
-             modes=dict(long_rows, mla_key_block=4096)),
+             evidence_fraction=0.1, offload_momentum=True, modes=long_rows),
   )
 
 

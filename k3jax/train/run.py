@@ -72,7 +72,7 @@ class LoRARun:
 # RunModes fields a stage may set: how the model runs, never what it is (a stage's step reads
 # and writes the same variables as every other stage's).
 STAGE_MODES = ("remat", "remat_offload", "mla_query_block", "mla_key_block", "kda_chunk_size",
-               "moe_capacity_factor", "expert_grad_barrier", "kernel_backend")
+               "moe_capacity_factor", "expert_grad_barrier", "ce_chunks", "kernel_backend")
 STAGE_MESH = ("data", "fsdp", "expert", "context", "tensor", "fsdp_over_data",
               "fsdp_over_context")
 STAGE_DATA = ("", "long")

@@ -242,7 +242,12 @@ def test_stage_config_is_the_config_s_stage():
     assert run.model.modes.mla_key_block == modes["mla_key_block"]
     assert run.model.modes.remat_offload == modes.get("remat_offload", False)
     assert run.optim.offload_momentum == bool(st.offload_momentum)
-    assert run.model.modes.moe_capacity_factor == 1.25 and run.model.modes.scan_layers
+    # A stage's capacity factor as configured; a dropless stage's the bench's 1.25.
+    assert run.model.modes.moe_capacity_factor == modes.get("moe_capacity_factor", 1.25)
+    assert run.model.modes.scan_layers
+    for field, default in (("ce_chunks", None), ("expert_grad_barrier", False)):
+      assert getattr(run.model.modes, field) == modes.get(field, default), field
+    assert run.model.modes.mla_query_block == modes["mla_query_block"]
   run, layout, _ = bench.stage_config("1M", 5, modes=dict(remat_offload=False,
                                                           num_mtp_layers=0),
                                       fsdp_over_context=False)
