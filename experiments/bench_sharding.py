@@ -213,8 +213,9 @@ def peak_live_buffers(dump_dir: str, top: int) -> dict:
   and the jax operation that made each (`op_name`, e.g.
   "…/layers_2/block_sparse_moe/shard_map/ecd,edf->ecf/dot_general" — "rematted_computation"
   in it marks the backward's recomputation; "" where XLA kept no metadata, as for many CPU
-  fusions). The step's module is the largest `jit_step` live-range file; {} when the dump
-  has none."""
+  fusions); and the buffer assignment's heap size per memory space ("default (color=0)" is
+  the device's HBM). The step's module is the largest `jit_step` live-range file; {} when
+  the dump has none."""
   names = [f for f in os.listdir(dump_dir) if "jit_step" in f and f.endswith("live-range.txt")]
   if not names:
     return {}
@@ -241,11 +242,25 @@ def peak_live_buffers(dump_dir: str, top: int) -> dict:
         ops[m.group(1)] = (m.group(2), op.group(1) if op else "")
   rows = [dict(buffer=n + idx, bytes=b, shape=ops.get(n, ("", ""))[0],
                op=ops.get(n, ("", ""))[1]) for b, n, idx in live]
+  spaces = {}     # the buffer assignment's heap size per memory space (its memory-usage report)
+  report = path[:-len("-live-range.txt")] + "-memory-usage-report.txt"
+  if os.path.exists(report):
+    with open(report) as fh:
+      space = None
+      for line in fh:
+        m = re.match(r"Memory Space: (.+)$", line)
+        if m:
+          space = m.group(1).strip()
+        m = re.match(r"Total bytes: (\d+)", line)
+        if m and space is not None:
+          spaces[space] = int(m.group(1))
+          space = None
   host = [r for r in rows if "S(5)" in r["shape"]]
   device = [r for r in rows if "S(5)" not in r["shape"]]
   return dict(position=at, bytes=sum(r["bytes"] for r in rows), buffers=len(rows),
               device_bytes=sum(r["bytes"] for r in device),
               host_bytes=sum(r["bytes"] for r in host),
+              heap_bytes_by_memory_space=spaces,
               top=device[:top], top_host=host[:max(1, top // 4)] if host else [])
 
 

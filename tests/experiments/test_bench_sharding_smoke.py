@@ -185,6 +185,9 @@ def test_memory_part_compiles_the_trainer_step_from_build_step(monkeypatch):
   total = r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
   assert r["temp_bytes"] < pk["bytes"] <= total and pk["position"] > 0
   assert (pk["device_bytes"], pk["host_bytes"], pk["top_host"]) == (pk["bytes"], 0, [])
+  # The heap of the one (CPU) memory space holds the parameters and the temporaries.
+  (heap,) = pk["heap_bytes_by_memory_space"].values()
+  assert 1.0 <= heap / (r["argument_bytes"] + r["temp_bytes"]) < 1.05
   sizes = [b["bytes"] for b in pk["top"]]
   assert len(sizes) == 6 and sizes == sorted(sizes, reverse=True)
   width = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
