@@ -22,9 +22,13 @@ plan (arguments = the state shard + the batch shard, outputs, temporaries).
     otherwise); --stage_modes / --fsdp_over_context override them for the attempts. Each entry
     also has the compiler's cost analysis (flops, bytes accessed) per chip and per token, the
     host-memory figures, and with --stage the stage's tokens per chip.
+  --peak_buffers N adds XLA's own account of the plan's peak (`peak_live_buffers`: bytes live
+    there on the device and in host memory, the N largest buffers and the ops that made them,
+    the heap per memory space), read from a dump of that one compile.
   The model constrains its residual stream to batch sharding at every layer boundary
   (`k3jax.sharding.constrain_activations`). When XLA:TPU refuses a plan larger than the chip's HBM
-  (RESOURCE_EXHAUSTED), that message is the result (an entry with "error").
+  (RESOURCE_EXHAUSTED), that message is the result (an entry with "error"). XLA refuses only
+  when the temporaries alone exceed the HBM; "fits" counts the arguments (the state) as well.
 
 Part "state": per-device bytes of params + optimizer state from the shardings alone
 (AbstractMesh; no compile); with --stage, the stage's layout with and without FSDP over context.
