@@ -18,7 +18,7 @@ plan (arguments = the state shard + the batch shard, outputs, temporaries).
     docs/notes/sharding.md, and for quick checks.
   --stage 8K|64K|256K|1M compiles configs/k3.py's curriculum stage as the config gives it
     (`stage_config`: sequence length, sequences per chip, layout with `fsdp_over_context`,
-    RunModes, Muon offload; the stage's 2048 chips unless --devices/--topology/--layout say
+    RunModes, Muon offload; the stage's 4096 chips unless --devices/--topology/--layout say
     otherwise); --stage_modes / --fsdp_over_context override them for the attempts. Each entry
     also has the compiler's cost analysis (flops, bytes accessed) per chip and per token, the
     host-memory figures, and with --stage the stage's tokens per chip.
@@ -79,7 +79,7 @@ Usage:
   .venv/bin/python experiments/bench_sharding.py --part cache --inf_max_len 1048576
       # one request's decode cache from its shapes (no compile)
   PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part memory \
-      --stage 1M                       # configs/k3.py's 1M stage on its 2048 chips
+      --stage 1M                       # configs/k3.py's 1M stage on its 4096 chips
   PYTHONPATH=<libtpu dir> .venv/bin/python experiments/bench_sharding.py --part qlora \
       --devices 64 --qlora_compile                                    # + compiled peak
   --out FILE writes the JSON object too; the last printed line is that JSON.
@@ -113,7 +113,7 @@ RECIPES = {
 DEFAULTS = dict(param_dtype="float32", mu_dtype="", offload_momentum=False, seq_len=4096)
 LAYOUTS = {n: r["layout"] for n, r in RECIPES.items()}
 # TPU v5p slices (95 GiB HBM per chip) with those chip counts, for --target tpu.
-TOPOLOGIES = {256: "v5p:8x8x4", 2048: "v5p:16x16x8"}
+TOPOLOGIES = {256: "v5p:8x8x4", 2048: "v5p:16x16x8", 4096: "v5p:16x16x16"}
 # Inference with packed MXFP4 experts (1.56 TB of text weights: ≥ 16 chips of 95 GiB for the
 # weights alone): experts over `expert`, the rest of the weights over fsdp+expert too.
 INFERENCE_RECIPES = {

@@ -41,7 +41,7 @@ def test_gpu_1b_is_k3_shaped_at_one_billion():
 def test_k3_curriculum_is_the_reports_with_a_layout_per_stage():
   """configs/k3.py: 8K → 64K in pre-training, 256K → 1M in the cool-down (docs/k3.md §8) as
   train.stages covering every step; the cool-down on long-document rows with evidence tasks;
-  each stage's layout uses the same 2048 chips with 8K tokens of a sequence per chip, passes
+  each stage's layout uses the same 4096 chips with 4K tokens of a sequence per chip, passes
   the shape checks (experts, batch, context) and keeps whole KDA chunks and MLA key blocks on
   each context shard; the longer rows run with remat, latent MLA and host offload."""
   run = run_config(importlib.import_module("configs.k3").get_config())
@@ -54,11 +54,11 @@ def test_k3_curriculum_is_the_reports_with_a_layout_per_stage():
   contexts = []
   for st in plan:
     stage = S.stage_run(run, st)
-    modes, shape = stage.model.modes, sharding.mesh_shape(stage.mesh, 2048)
-    mesh = sharding.abstract_mesh(stage.mesh, 2048)
+    modes, shape = stage.model.modes, sharding.mesh_shape(stage.mesh, 4096)
+    mesh = sharding.abstract_mesh(stage.mesh, 4096)
     sharding.check_shapes(stage.model, mesh, batch_size=st.batch_size, seq_len=st.seq_len)
     shard = st.seq_len // shape["context"]
-    assert shard == 8192 and shard % modes.kda_chunk_size == 0
+    assert shard == 4096 and shard % modes.kda_chunk_size == 0
     assert modes.remat and (modes.mla_key_block is None or shard % modes.mla_key_block == 0)
     contexts.append(shape["context"])
     assert (st.seq_len > 65536) == modes.remat_offload == bool(stage.optim.offload_momentum)
@@ -70,4 +70,6 @@ def test_k3_curriculum_is_the_reports_with_a_layout_per_stage():
     rules = sharding.params_over(stage.mesh, param_axes=("fsdp", "expert"))
     embed = [axes for name, axes in rules if name == "embed"][0]
     assert ("context" in embed) == (shape["context"] > 1)
-  assert contexts == [1, 8, 32, 128]
+  assert contexts == [2, 16, 64, 256]
+  # The run's own mesh is the first stage's.
+  assert sharding.mesh_shape(run.mesh, 4096) == sharding.mesh_shape(S.stage_run(run, plan[0]).mesh, 4096)

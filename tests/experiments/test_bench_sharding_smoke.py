@@ -218,7 +218,7 @@ def test_a_refused_stage_records_the_stage(monkeypatch, capsys):
   (r,) = [json.loads(l) for l in capsys.readouterr().out.splitlines()
           if l.startswith("{")][-1]["results"]
   _, layout, per_chip = bench.stage_config("1M", 9)
-  assert r["layout"] == layout and layout["context"] == 128 and r["devices"] == 2048
+  assert r["layout"] == layout and layout["context"] == 256 and r["devices"] == 4096
   assert (r["seq_len"], r["per_device_batch"]) == (1048576, per_chip)
   assert r["offload_momentum"] is True and r["fits"] is False
   assert r["refused_temp_gib"] == 371.15 and r["stage_modes"] == {"mtp_full_length": False}
@@ -239,7 +239,8 @@ def test_stage_config_is_the_config_s_stage():
         a: mesh.get(a, 1) for a in ("data", "fsdp", "expert", "context", "tensor")}
     assert layout["fsdp_over_context"] == (mesh["context"] > 1)
     chips = layout["data"] * layout["fsdp"] * layout["expert"] * layout["context"]
-    assert chips == 2048 and per_chip * chips // mesh["context"] == st.batch_size
+    assert chips == 4096 and per_chip * chips // mesh["context"] == st.batch_size
+    assert bench.TOPOLOGIES[chips] == "v5p:16x16x16"
     assert run.train.seq_len == st.seq_len
     modes = dict(st.modes)
     assert run.model.modes.mla_key_block == modes["mla_key_block"]
