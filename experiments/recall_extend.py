@@ -69,7 +69,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
   for name, default, help_ in (
       ("pretrain_evidence", 0.5, "Share of evidence-task rows in pre-training."),
       ("cooldown_evidence", 0.5, "Share of evidence-task rows in the cool-down."),
-      ("lr", 3e-3, "Peak learning rate (warm-up cosine over both stages).")):
+      ("lr", 3e-3, "Peak learning rate (warm-up cosine over both stages)."),
+      ("answer_weight", 1.0, "Loss weight of an evidence row's answer tokens (the rest 1).")):
     flags.DEFINE_float(name, default, help_, flag_values=fv)
   flags.DEFINE_list("tasks", list(evidence.TASKS), "Evidence tasks trained and evaluated.",
                     flag_values=fv)
@@ -105,6 +106,8 @@ def run_for(name: str, f) -> object:
   c.train.mtp_weight = 0.0
   c.optim.lr = f.lr
   c.data.long_threshold = f.short_len
+  c.data.evidence_tasks = ",".join(f.tasks)
+  c.data.answer_weight = f.answer_weight
   return run_config(c)
 
 
@@ -210,8 +213,8 @@ def run_experiment(f) -> dict:
   rows = eval_rows(f, docs)
   results = {"flags": {k: getattr(f, k) for k in (
       "layers", "short_len", "long_len", "pretrain_steps", "cooldown_steps", "short_batch",
-      "long_batch", "pretrain_evidence", "cooldown_evidence", "lr", "tasks", "bins",
-      "eval_rows", "seed")}, "models": {}}
+      "long_batch", "pretrain_evidence", "cooldown_evidence", "lr", "answer_weight", "tasks",
+      "bins", "eval_rows", "seed")}, "models": {}}
   for name in f.models:
     results["models"][name] = train_and_evaluate(name, f, corpus, docs, rows)
   results["seconds"] = round(time.time() - t0, 1)

@@ -27,6 +27,7 @@ from k3jax.config import (ModelConfig, as_vision_config, config_to_dict, flat_fi
                           model_config_from_flat)
 from k3jax.config import preset as model_preset
 from k3jax.data.corpus import parse_curriculum
+from k3jax.data.evidence import TASKS as EVIDENCE_TASKS
 from k3jax.data.tokenizers import NUM_BYTES, NUM_SPECIAL
 from k3jax.sharding import MeshConfig
 from k3jax.train.balance import METHODS
@@ -276,10 +277,12 @@ class DataConfig:
   sft_num_eval: int = 256
   # Stages with data="long" (k3jax/data/long_docs.py): documents of at least long_threshold
   # tokens are "long" (0: a quarter of the stage's seq_len) and anchor rows long_upsample
-  # times more often than their share; evidence answers weigh answer_weight in the loss.
+  # times more often than their share; evidence answers weigh answer_weight in the loss;
+  # evidence_tasks names the tasks drawn (k3jax/data/evidence.py TASKS; empty: all of them).
   long_threshold: int = 0
   long_upsample: float = 4.0
   answer_weight: float = 1.0
+  evidence_tasks: tuple[str, ...] = ()
 
   def __post_init__(self):
     _need(0 <= self.text_fraction <= 1, "data.text_fraction",
@@ -290,6 +293,13 @@ class DataConfig:
           f"expected >= 1, found {self.long_upsample}")
     _need(self.answer_weight >= 0, "data.answer_weight",
           f"expected >= 0, found {self.answer_weight}")
+    tasks = self.evidence_tasks
+    if isinstance(tasks, str):          # the command line's form: "kv,count"
+      tasks = [t.strip() for t in tasks.split(",") if t.strip()]
+    object.__setattr__(self, "evidence_tasks", tuple(tasks))
+    bad = [t for t in self.evidence_tasks if t not in EVIDENCE_TASKS]
+    _need(not bad, "data.evidence_tasks",
+          f"expected names from {EVIDENCE_TASKS}, found {list(self.evidence_tasks)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +333,7 @@ class RunConfig:
     out = {f.name: dataclasses.asdict(getattr(self, f.name))
            for f in dataclasses.fields(self) if f.name not in ("model", "seed")}
     out["train"]["lora"]["targets"] = list(self.train.lora.targets)
+    out["data"]["evidence_tasks"] = list(self.data.evidence_tasks)
     return {"seed": self.seed, "model": config_to_dict(self.model), **out}
 
 
@@ -394,6 +405,8 @@ def base_config(preset_name: str = "tiny") -> ml_collections.ConfigDict:
     values = dataclasses.asdict(cls())
     if cls is TrainConfig:
       values["lora"]["targets"] = ",".join(values["lora"]["targets"])
+    if cls is DataConfig:
+      values["evidence_tasks"] = ",".join(values["evidence_tasks"])
     c[name] = ml_collections.ConfigDict(values)
   return c
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from k3jax import sharding
 from k3jax.data import corpus as corpus_lib
-from k3jax.data import long_docs
+from k3jax.data import evidence, long_docs
 from k3jax.train.run import RunConfig, Stage
 
 
@@ -97,7 +97,7 @@ class StagedData:
                                             upsample=d.long_upsample)
       self._long[key] = long_docs.LongDocIterator(
           docs, 1, stage.seq_len, self.seed, evidence_fraction=stage.evidence_fraction,
-          answer_weight=d.answer_weight)
+          tasks=d.evidence_tasks or evidence.TASKS, answer_weight=d.answer_weight)
     return self._long[key]
 
   def batch(self, step: int) -> dict:

@@ -1,6 +1,7 @@
 """experiments/recall_extend.py at toy size (one layer, a few steps, one row per task and
 bin): both stages run through the trainer's step, the JSON and the PNG are written, accuracies
-are fractions per task and bin; the KDA-only model has no MLA layer and the hybrid's size."""
+are fractions per task and bin; the KDA-only model has no MLA layer and the hybrid's size;
+--tasks and --answer_weight set the training data's (not only the evaluation's)."""
 
 import json
 
@@ -32,3 +33,11 @@ def test_toy_run_writes_json_and_plot(tmp_path):
   sizes = [count_params(recall_extend.run_for(n, fv).model)["total"]
            for n in recall_extend.MODELS]
   assert abs(sizes[0] - sizes[1]) < 0.01 * sizes[0]
+
+
+def test_tasks_and_answer_weight_reach_the_training_data():
+  fv = flags.FlagValues()
+  recall_extend.define_flags(fv)
+  fv(["recall_extend", "--tasks=kv", "--answer_weight=4"])
+  run = recall_extend.run_for("hybrid", fv)
+  assert run.data.evidence_tasks == ("kv",) and run.data.answer_weight == 4.0

@@ -72,6 +72,32 @@ def test_staged_data_is_the_plain_iterator_in_a_plain_stage():
   assert staged.get_state() == plain.get_state()
 
 
+def test_staged_long_rows_draw_the_configured_evidence_tasks():
+  """data.evidence_tasks reaches the long-row iterator: with it ("count",) every evidence row
+  asks the count question (SEP ? !), with the default the other tasks appear too."""
+  from k3jax.data.tokenizers import SEP
+  corpus = D.load_corpus("stdlib")
+  stages = (dict(steps=1, seq_len=8), dict(steps=4, seq_len=64, data="long",
+                                           evidence_fraction=1.0))
+
+  def questions(tasks):
+    c = base_config("tiny")
+    c.train.update(dict(steps=5, batch_size=8, seq_len=64, stages=stages))
+    c.data.evidence_tasks = tasks
+    staged = S.StagedData(run_config(c), corpus)
+    out = set()
+    for step in range(1, 5):
+      for row in staged.batch(step)["inputs"]:
+        at = np.flatnonzero(row == SEP)
+        out.add(bytes(row[at[-1] + 1:at[-1] + 3].astype(np.uint8)))  # the question's head
+    return out
+
+  assert questions("count") == {b"?!"}
+  assert len(questions("")) > 1
+  with pytest.raises(ValueError, match="data.evidence_tasks"):
+    questions("count,recall")
+
+
 def _losses(records):
   return {r["step"]: r["loss"] for r in records}
 
