@@ -9,11 +9,13 @@ stage runs on the same 4096 chips (v5p:16x16x16) with one sequence's tokens on `
 (the batch over data × fsdp × expert, experts over `expert`), and its own memory settings:
 
   stage      seq_len    batch  layout (data, fsdp, expert, context)  memory
-  pre 8K       8,192    2,048  1, 32, 64,   2   remat per layer group, the cross-entropy in 8
-                                                  chunks, expert gradients made layer by layer
-  pre 64K     65,536      256  1,  4, 64,  16   + MLA from the latents in 2K-key blocks
+  pre 8K       8,192    2,048  1, 32, 64,   2   remat per layer group, MLA from the latents in
+                                                  2K query and key blocks, the cross-entropy
+                                                  in 8 chunks, expert gradients made layer by
+                                                  layer
+  pre 64K     65,536      256  1,  4, 64,  16   the same
   cool 256K  262,144       64  1,  1, 64,  64   + layer inputs and Muon momentum in host memory,
-                                                  2K query blocks, capacity factor 1.0
+                                                  capacity factor 1.0
   cool 1M  1,048,576       16  1,  1, 16, 256   + the same
 
 Parameters and optimizer state are sharded over `context` too (FSDP over context) wherever a
@@ -48,15 +50,16 @@ def stages():
   long_rows = dict(remat=True, remat_offload=True, mla_query_block=2048, mla_key_block=2048,
                    kda_chunk_size=64, moe_capacity_factor=1.0, ce_chunks=8,
                    expert_grad_barrier=True)
-  # Exact in every stage (the same numbers, less memory): the cross-entropy in 8 token chunks
-  # and each MoE layer's expert weight gradients made before the next layer's backward. At
-  # 64K without them the step needs 97.36 GiB a chip (docs/results.md).
-  exact = dict(ce_chunks=8, expert_grad_barrier=True)
+  # Pre-training's settings, all exact (the same numbers, less memory): MLA from the latents
+  # in 2K query and key blocks, the cross-entropy in 8 token chunks, each MoE layer's expert
+  # weight gradients made before the next layer's backward. Without the last two the 64K
+  # step needs 97.36 GiB a chip; with keys and values materialised in 1K query blocks the 8K
+  # step needs 111.97 (docs/results.md).
+  pre = dict(remat=True, mla_query_block=2048, mla_key_block=2048, ce_chunks=8,
+             expert_grad_barrier=True)
   return (
-      _stage(80_000, 8_192, fsdp=32, expert=64, context=2,
-             modes=dict(remat=True, mla_query_block=1024, mla_key_block=None, **exact)),
-      _stage(15_000, 65_536, fsdp=4, expert=64, context=16,
-             modes=dict(remat=True, mla_query_block=2048, mla_key_block=2048, **exact)),
+      _stage(80_000, 8_192, fsdp=32, expert=64, context=2, modes=pre),
+      _stage(15_000, 65_536, fsdp=4, expert=64, context=16, modes=pre),
       _stage(4_000, 262_144, fsdp=1, expert=64, context=64, data="long",
              evidence_fraction=0.1, offload_momentum=True, modes=long_rows),
       _stage(1_000, 1_048_576, fsdp=1, expert=16, context=256, data="long",
