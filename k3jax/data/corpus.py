@@ -10,10 +10,13 @@ pre-tokenized document per record: the bytes of `np.save` of a 1-D integer array
 optional `array-record` package), or a directory / glob of those. Text
 documents go to the eval split when `md5(name) % 10000 < 100·eval_percent` (by file for
 `.txt` and the stdlib, by line number for `.jsonl`), so the split never depends on the order
-of discovery;
-`.npy` shards are already tokens, so their last `eval_percent`% of tokens form the eval split;
-array-record documents are split by record like `.jsonl` lines (name `path:index`) and used as
-they are (no BOS/EOS added: a tokenizer's own markers are the caller's). Token streams are
+of discovery; a name is the path relative to the source (a directory, or a glob's fixed
+prefix), so neither does it depend on where the data lives. A source that is one `.txt` file
+is one document: the last `eval_percent`% of its tokens form the eval split, as for `.npy`
+shards, which are already tokens;
+array-record documents are split by record like `.jsonl` lines (name `file:index`) and used as
+they are (no BOS/EOS added: a tokenizer's own markers are the caller's). A split that leaves
+no training tokens is an error naming `data.eval_percent`. Token streams are
 stored as uint16 when the vocabulary fits, else uint32.
 
 Packing. Each text document becomes `[BOS] bytes [EOS]`; a split is the concatenation of its
@@ -100,8 +103,8 @@ def _stream(docs: Sequence[np.ndarray], dtype) -> np.ndarray:
 ARRAY_RECORD_SUFFIX = ".array_record"
 
 
-def _read_array_record(path: str) -> list[tuple[str, np.ndarray]]:
-  """(name "path:index", 1-D integer token array) per record of an array-record file."""
+def _read_array_record(path: str, name: str) -> list[tuple[str, np.ndarray]]:
+  """(name "name:index", 1-D integer token array) per record of the array-record file `path`."""
   try:
     from array_record.python.array_record_module import ArrayRecordReader  # optional: k3jax[data]
   except ImportError:
@@ -122,7 +125,7 @@ def _read_array_record(path: str) -> list[tuple[str, np.ndarray]]:
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"data.source: {path} record {i} expected a 1-D integer array, found "
                        f"{arr.dtype}{list(arr.shape)}")
-    docs.append((f"{path}:{i}", arr))
+    docs.append((f"{name}:{i}", arr))
   return docs
 
 
@@ -131,16 +134,24 @@ def _check_ids(arr: np.ndarray, what: str, vocab_size: int) -> None:
     raise ValueError(f"data.source: {what} has ids outside [0, {vocab_size})")
 
 
-def _read_text_docs(source: str) -> list[tuple[str, bytes | np.ndarray | None]]:
-  """(name, data) of the documents behind a user path (file, directory or glob): data is the
-  text's bytes, a pre-tokenized array (array-record) or None (an `.npy` shard, read later)."""
+def _read_text_docs(source: str) -> list[tuple[str, str, bytes | np.ndarray | None]]:
+  """(path, name, data) of the documents behind a user path (file, directory or glob): name is
+  the path relative to the source's root (a file's own name when the source is one file, with
+  `:line` / `:record` inside `.jsonl` / `.array_record` files); data is the text's bytes, a
+  pre-tokenized array (array-record) or None (an `.npy` shard, read later)."""
   if os.path.isdir(source):
+    root = source
     paths = sorted(str(p) for p in pathlib.Path(source).rglob("*")
                    if p.suffix in (".txt", ".jsonl", ".npy", ARRAY_RECORD_SUFFIX)
                    and p.is_file())
-  elif any(c in source for c in "*?["):
+  elif glob.has_magic(source):
+    # The glob's fixed leading directories are its root.
+    parts = pathlib.PurePath(source).parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root = str(pathlib.PurePath(*parts[:fixed])) if fixed else "."
     paths = sorted(glob.glob(source, recursive=True))
   else:
+    root = os.path.dirname(source) or "."
     paths = [source]
   if not paths:
     raise ValueError(f"data.source={source!r}: no .txt/.jsonl/.npy/.array_record files found")
@@ -148,6 +159,7 @@ def _read_text_docs(source: str) -> list[tuple[str, bytes | np.ndarray | None]]:
   for p in paths:
     if not os.path.isfile(p) or not os.access(p, os.R_OK):
       raise ValueError(f"data.source={source!r}: cannot read {p!r} (missing or not readable)")
+    name = os.path.relpath(p, root)
     suffix = pathlib.Path(p).suffix
     if suffix == ".jsonl":
       with open(p, "rb") as f:
@@ -161,14 +173,14 @@ def _read_text_docs(source: str) -> list[tuple[str, bytes | np.ndarray | None]]:
           if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
             raise ValueError(f"data.source: {p}:{n + 1} expected an object with a string "
                              f"'text' field, found {str(rec)[:80]!r}")
-          docs.append((f"{p}:{n}", rec["text"].encode("utf-8")))
+          docs.append((p, f"{name}:{n}", rec["text"].encode("utf-8")))
     elif suffix == ".npy":
-      docs.append((p, None))  # marker: pre-tokenized shard
+      docs.append((p, name, None))  # marker: pre-tokenized shard
     elif suffix == ARRAY_RECORD_SUFFIX:
-      docs.extend(_read_array_record(p))  # pre-tokenized documents (arrays)
+      docs.extend((p, n, a) for n, a in _read_array_record(p, name))  # pre-tokenized
     else:
       with open(p, "rb") as f:
-        docs.append((p, f.read()))
+        docs.append((p, name, f.read()))
   return docs
 
 
@@ -187,35 +199,40 @@ def load_corpus(source: str = "stdlib", eval_percent: float = 2.0,
     named = []
     for name, p in stdlib_files():
       try:
-        named.append((name, p.read_bytes()))
+        named.append((str(p), name, p.read_bytes()))
       except OSError:
         continue  # an unreadable stdlib file is skipped, never fatal
   else:
     named = _read_text_docs(source)
   dtype = _token_dtype(vocab_size)
-  train, evals, shards = [], [], []
-  for name, data in named:
-    if data is None:
-      shards.append(name)
-      continue
-    if isinstance(data, np.ndarray):     # a pre-tokenized document
+  # One text file is one document: split at its tail like a token shard, not by its name.
+  whole_file = len(named) == 1 and isinstance(named[0][2], bytes)
+  train, evals = [], []
+  for path, name, data in named:
+    if data is None:                     # an `.npy` token shard
+      try:
+        doc = np.load(path, mmap_mode="r")
+      except Exception as e:  # noqa: BLE001 - any unreadable shard is a user error
+        raise ValueError(f"data.source: cannot load token shard {path!r}: {e}") from None
+      if doc.ndim != 1 or not np.issubdtype(doc.dtype, np.integer):
+        raise ValueError(f"data.source: shard {path!r} expected a 1-D integer array, found "
+                         f"{doc.dtype}{list(doc.shape)}")
+      _check_ids(doc, f"shard {path!r}", vocab_size)
+    elif isinstance(data, np.ndarray):   # a pre-tokenized document
       _check_ids(data, f"record {name!r}", vocab_size)
       doc = data.astype(dtype)
     else:
       doc = np.concatenate([[BOS], np.frombuffer(data, np.uint8), [EOS]]).astype(dtype)
-    (evals if in_eval(name, eval_percent) else train).append(doc)
-  for p in shards:
-    try:
-      arr = np.load(p, mmap_mode="r")
-    except Exception as e:  # noqa: BLE001 - any unreadable shard is a user error
-      raise ValueError(f"data.source: cannot load token shard {p!r}: {e}") from None
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"data.source: shard {p!r} expected a 1-D integer array, found "
-                       f"{arr.dtype}{list(arr.shape)}")
-    _check_ids(arr, f"shard {p!r}", vocab_size)
-    cut = len(arr) - int(len(arr) * eval_percent / 100)
-    train.append(np.asarray(arr[:cut], dtype))
-    evals.append(np.asarray(arr[cut:], dtype))
+    if data is None or whole_file:
+      cut = len(doc) - int(len(doc) * eval_percent / 100)
+      train.append(np.asarray(doc[:cut], dtype))
+      evals.append(np.asarray(doc[cut:], dtype))
+    else:
+      (evals if in_eval(name, eval_percent) else train).append(doc)
+  if not sum(len(d) for d in train):
+    raise ValueError(f"data.source={source!r}: no training tokens: all {len(named)} documents "
+                     f"fell in the eval split (data.eval_percent={eval_percent}); lower "
+                     f"data.eval_percent or add documents")
   corpus = Corpus(train=_stream(train, dtype), eval=_stream(evals, dtype), source=source,
                   num_docs=(len(train), len(evals)))
   _CORPUS_CACHE[key] = corpus

@@ -396,12 +396,13 @@ def eval_batches(packed: Packed, num_batches: int, batch_size: int) -> list[dict
 def conversations(sft_file: str = "", eval_percent: float = 2.0, seed: int = 0,
                   num_train: int = 20000, num_eval: int = 256
                   ) -> tuple[list[chat.Conversation], list[chat.Conversation]]:
-  """(train, held-out) conversations: those of `sft_file` (held out by line, md5("FILE:LINE")
-  like text corpora, `eval_percent`), else the embedded tasks (k3jax/data/sft_tasks.py:
+  """(train, held-out) conversations: those of `sft_file` (held out by line, md5("NAME:LINE")
+  of the file's own name like text corpora, `eval_percent`), else the embedded tasks (k3jax/data/sft_tasks.py:
   `num_train` / `num_eval` samples of `seed`)."""
   if sft_file:
     convs = read_jsonl(sft_file)
-    held = [corpus.in_eval(f"{sft_file}:{i}", eval_percent) for i in range(len(convs))]
+    name = os.path.basename(sft_file)   # where the file lives never changes the split
+    held = [corpus.in_eval(f"{name}:{i}", eval_percent) for i in range(len(convs))]
     return ([c for c, h in zip(convs, held) if not h], [c for c, h in zip(convs, held) if h])
   train = sft_tasks.samples(seed, num_train, sft_tasks.TRAIN)
   held = sft_tasks.samples(seed, num_eval, sft_tasks.HELDOUT)

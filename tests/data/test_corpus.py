@@ -84,7 +84,7 @@ def test_array_record_documents_split_by_record_and_large_vocab(tmp_path):
   c = D.load_corpus(str(tmp_path), eval_percent=25.0, vocab_size=163_840)
   assert c.train.dtype == np.uint32 and sum(c.num_docs) == 40 and 0 < c.num_docs[1] < 40
   want_eval = [d for i, d in enumerate(docs)
-               if D.in_eval(f"{tmp_path / 'toks.array_record'}:{i}", 25.0)]
+               if D.in_eval(f"toks.array_record:{i}", 25.0)]
   want_train = [d for d in docs if not any(d is e for e in want_eval)]
   np.testing.assert_array_equal(c.eval, np.concatenate(want_eval))
   np.testing.assert_array_equal(c.train, np.concatenate(want_train))
@@ -97,6 +97,44 @@ def test_array_record_documents_split_by_record_and_large_vocab(tmp_path):
   _write_array_record(tmp_path / "bad" / "x.array_record", [b"not an array"])
   with pytest.raises(ValueError, match="record 0 is not an np.save'd array"):
     D.load_corpus(str(tmp_path / "bad" / "x.array_record"))
+
+
+def test_split_does_not_depend_on_where_the_data_lives(tmp_path):
+  # The same documents under two roots (a directory and a glob of it) split the same way.
+  for root in ("a", "b/deeper"):
+    d = tmp_path / root / "docs"
+    d.mkdir(parents=True)
+    for i in range(40):
+      (d / f"doc{i:02d}.txt").write_text(f"document {i}\n")
+  a = D.load_corpus(str(tmp_path / "a" / "docs"), eval_percent=25.0)
+  b = D.load_corpus(str(tmp_path / "b" / "deeper" / "docs"), eval_percent=25.0)
+  g = D.load_corpus(str(tmp_path / "b" / "deeper" / "docs" / "*.txt"), eval_percent=25.0)
+  assert 0 < a.num_docs[1] < 40
+  for c in (b, g):
+    np.testing.assert_array_equal(a.train, c.train)
+    np.testing.assert_array_equal(a.eval, c.eval)
+  want = sorted(f"document {i}\n" for i in range(40) if D.in_eval(f"doc{i:02d}.txt", 25.0))
+  text = tokenizers.ByteTokenizer().decode(a.eval).replace("\n", "\n|").split("|")
+  assert sorted(t for t in text if t) == want
+
+
+def test_one_text_file_is_split_at_its_tail(tmp_path):
+  # One file is one document: its last eval_percent% of tokens are held out, whatever its name.
+  body = "".join(f"line {i}\n" for i in range(100)).encode()
+  for name in ("x.txt", "README.md"):
+    (tmp_path / name).write_bytes(body)
+    c = D.load_corpus(str(tmp_path / name), eval_percent=10.0)
+    stream = np.concatenate([[tokenizers.BOS], np.frombuffer(body, np.uint8), [tokenizers.EOS]])
+    cut = len(stream) - len(stream) // 10
+    assert c.train.tolist() == stream[:cut].tolist() and c.eval.tolist() == stream[cut:].tolist()
+
+
+def test_a_split_without_training_tokens_is_an_error(tmp_path):
+  # Two documents that both hash into a 99.99% eval split leave nothing to train on.
+  for i in range(2):
+    (tmp_path / f"d{i}.txt").write_text("text")
+  with pytest.raises(ValueError, match=r"no training tokens: all 2 documents .*eval_percent"):
+    D.load_corpus(str(tmp_path), eval_percent=99.99)
 
 
 def test_bad_sources(tmp_path):
